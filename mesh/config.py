@@ -1,0 +1,255 @@
+"""Frozen configuration dataclasses shared by every process.
+
+One tree: MeshConfig -> ModelConfig (what the checkpoint is), StationSpec (which
+layers a station holds and where), SchedulerConfig (how waves are planned) and
+ApiConfig (how the HTTP surface listens). Every dataclass validates itself on
+construction and raises ConfigError naming the offending field. Nothing here
+imports torch.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type, or out of range."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Rotary embedding frequency scaling, as in a Hugging Face config.json."""
+
+    rope_type: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0  # frequency divisor (linear, llama3)
+    low_freq_factor: float = 1.0  # llama3: wavelengths above orig/low are fully scaled
+    high_freq_factor: float = 4.0  # llama3: wavelengths below orig/high are kept
+    original_max_position_embeddings: int = 8192  # llama3: the pre-extension context
+
+    def __post_init__(self) -> None:
+        _require(self.rope_type in ("default", "linear", "llama3"),
+                 f"rope_scaling.rope_type: unsupported {self.rope_type!r} (default, linear, llama3)")
+        _require(self.factor > 0, f"rope_scaling.factor must be > 0, got {self.factor}")
+        _require(self.high_freq_factor > self.low_freq_factor or self.rope_type != "llama3",
+                 "rope_scaling.high_freq_factor must exceed low_freq_factor")
+
+    @staticmethod
+    def from_hf(d: dict[str, Any] | None) -> "RopeScaling":
+        """Read the `rope_scaling` (or `rope_parameters`) dict of an HF config."""
+        if not d:
+            return RopeScaling()
+        kind = d.get("rope_type", d.get("type", "default"))
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        return RopeScaling(rope_type=kind, **{k: d[k] for k in keys if k in d})
+
+    def to_hf(self) -> dict[str, Any] | None:
+        """The HF `rope_scaling` dict (None for plain RoPE)."""
+        if self.rope_type == "default":
+            return None
+        if self.rope_type == "linear":
+            return {"rope_type": "linear", "factor": self.factor}
+        return {"rope_type": "llama3", "factor": self.factor, "low_freq_factor": self.low_freq_factor,
+                "high_freq_factor": self.high_freq_factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, read from a Hugging Face config.json."""
+
+    arch: str  # "llama" | "mistral" | "qwen2" (HF model_type)
+    vocab_size: int  # rows of the embedding and of lm_head
+    hidden_size: int  # d, width of the residual stream
+    intermediate_size: int  # width of the SwiGLU MLP
+    num_hidden_layers: int  # L, decoder layers in the whole model
+    num_attention_heads: int  # query heads H
+    num_key_value_heads: int  # KV heads (GQA when < H)
+    head_dim: int  # D, per-head width
+    rms_norm_eps: float = 1e-6  # epsilon of every RMSNorm
+    rope_theta: float = 10000.0  # RoPE base
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)  # frequency scaling
+    max_position_embeddings: int = 2048  # the model's context length
+    tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
+    qkv_bias: bool = False  # q/k/v projections carry a bias (qwen2; llama attention_bias)
+    o_bias: bool = False  # o_proj carries a bias (llama attention_bias only)
+    sliding_window: int | None = None  # mistral: attend only to the last W positions
+    bos_token_id: int | None = 1  # prepended by the tokenizer
+    eos_token_ids: tuple[int, ...] = (2,)  # any of these ends a sequence
+
+    def __post_init__(self) -> None:
+        _require(self.arch in SUPPORTED_ARCHS,
+                 f"model_type: unsupported architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                     f"{name} must be a positive integer, got {v!r}")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0,
+                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                 f"num_key_value_heads ({self.num_key_value_heads})")
+        _require(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+        _require(self.rms_norm_eps > 0, "rms_norm_eps must be > 0")
+        _require(self.rope_theta > 0, "rope_theta must be > 0")
+        _require(self.sliding_window is None or self.sliding_window > 0, "sliding_window must be > 0")
+        _require(all(0 <= t < self.vocab_size for t in self.eos_token_ids),
+                 f"eos_token_id {self.eos_token_ids} outside the vocabulary ({self.vocab_size})")
+
+    @property
+    def kv_bytes_per_token_layer(self) -> int:
+        """K and V bytes of one token in one layer, in float32 units of 1 (multiply by dtype size)."""
+        return 2 * self.num_key_value_heads * self.head_dim
+
+    @staticmethod
+    def from_hf(d: dict[str, Any]) -> "ModelConfig":
+        """Build from the dict of a Hugging Face config.json, refusing what we cannot run."""
+        arch = d.get("model_type")
+        _require(arch in SUPPORTED_ARCHS,
+                 f"config.json model_type: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        _require(d.get("hidden_act", "silu") == "silu", f"config.json hidden_act: unsupported {d.get('hidden_act')!r}")
+        _require(not d.get("mlp_bias", False), "config.json mlp_bias: true is not supported")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            _require(key in d, f"config.json: missing required key {key!r}")
+        heads = d["num_attention_heads"]
+        rope_params = d.get("rope_parameters") or {}
+        scaling = d.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
+        theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        eos = d.get("eos_token_id", 2)
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        window = d.get("sliding_window")
+        if arch == "qwen2" and not d.get("use_sliding_window", False):
+            window = None
+        if arch == "llama":
+            window = None
+        bias = bool(d.get("attention_bias", False))
+        return ModelConfig(
+            arch=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rope_scaling=RopeScaling.from_hf(scaling),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=True if arch == "qwen2" else bias, o_bias=bias if arch == "llama" else False,
+            sliding_window=window, bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids)
+
+    @staticmethod
+    def from_dir(path: str | Path) -> "ModelConfig":
+        """Read `config.json` from a checkpoint directory."""
+        p = Path(path) / "config.json"
+        _require(p.is_file(), f"{p}: no config.json (is this a Hugging Face checkpoint directory?)")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}: not valid JSON: {e}") from e
+        return ModelConfig.from_hf(d)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face config.json dict for this model."""
+        arch_class = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        d: dict[str, Any] = {
+            "architectures": [arch_class[self.arch]], "model_type": self.arch,
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling.to_hf(),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "torch_dtype": "float32",
+        }
+        if self.arch == "llama":
+            d["attention_bias"] = self.qkv_bias
+            d["mlp_bias"] = False
+        if self.arch == "mistral":
+            d["sliding_window"] = self.sliding_window
+        if self.arch == "qwen2":
+            d["use_sliding_window"] = False
+            d["sliding_window"] = None
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class StationSpec:
+    """One station: a contiguous layer range [start, end) and where it runs."""
+
+    layers: tuple[int, int]  # [start, end) absolute layer indices
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    dtype: str = "float32"  # weights and activations
+    kv_bytes: int = 256 * 2**20  # KV budget of this station in bytes
+    num_gpus: float = 0.0  # Ray resource request
+    num_cpus: float = 1.0  # Ray resource request
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.layers, tuple) and len(self.layers) == 2
+                 and all(isinstance(x, int) and not isinstance(x, bool) for x in self.layers),
+                 f"layers must be [start, end] integers, got {self.layers!r}")
+        _require(0 <= self.layers[0] < self.layers[1], f"layers: need 0 <= start < end, got {list(self.layers)}")
+        _require(self.device == "cpu" or self.device.startswith("cuda"),
+                 f"device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _require(self.dtype in SUPPORTED_DTYPES, f"dtype: expected one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        _require(isinstance(self.kv_bytes, int) and self.kv_bytes > 0, f"kv_bytes must be > 0, got {self.kv_bytes!r}")
+        _require(self.num_gpus >= 0 and self.num_cpus >= 0, "num_gpus and num_cpus must be >= 0")
+
+    @property
+    def start(self) -> int:
+        """First layer held (inclusive)."""
+        return self.layers[0]
+
+    @property
+    def end(self) -> int:
+        """One past the last layer held."""
+        return self.layers[1]
+
+    def check_against(self, model: ModelConfig) -> None:
+        """Refuse a range that runs past the model's layers."""
+        _require(self.end <= model.num_hidden_layers,
+                 f"layers: end {self.end} exceeds the model's {model.num_hidden_layers} layers")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """How the orchestrator plans waves and admits requests."""
+
+    max_seqs: int = 32  # live sequences (lanes) at once
+    max_wave_tokens: int = 512  # rows in one wave: decode tokens + prompt chunks
+    max_queue: int = 256  # waiting requests before new ones are refused (503)
+    short_first: bool = False  # let short prompts jump the FIFO queue
+    short_prompt_tokens: int = 64  # a prompt this long or shorter counts as short
+    max_skips: int = 8  # a request passed over this many times is admitted next, short or not
+
+    def __post_init__(self) -> None:
+        for name in ("max_seqs", "max_wave_tokens", "max_queue", "short_prompt_tokens", "max_skips"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                     f"scheduler.{name} must be a positive integer, got {v!r}")
+        _require(self.max_wave_tokens >= self.max_seqs,
+                 f"scheduler.max_wave_tokens ({self.max_wave_tokens}) must be >= max_seqs ({self.max_seqs}) "
+                 "so every decoding sequence fits in one wave")
+
+
+@dataclass(frozen=True, slots=True)
+class ApiConfig:
+    """The OpenAI-compatible HTTP surface."""
+
+    host: str = "127.0.0.1"  # interface to bind
+    port: int = 8000  # TCP port
+    api_key: str | None = None  # bearer token required on every route but /health and /metrics
+    model_name: str | None = None  # name reported by /v1/models (default: the model directory's name)
+    max_n: int = 8  # cap on the `n` choices of one request
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.port, int) and 0 <= self.port < 65536, f"api.port out of range: {self.port!r}")
+        _require(isinstance(self.max_n, int) and self.max_n >= 1, "api.max_n must be >= 1")

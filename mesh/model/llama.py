@@ -1,0 +1,186 @@
+"""A contiguous layer range of a Llama-family decoder (Llama 2/3, Mistral, Qwen2).
+
+Parameter names are the Hugging Face names with ABSOLUTE layer indices
+(`model.layers.17.self_attn.q_proj.weight`), so a range loads its own keys by
+name. The range holds `model.embed_tokens` when it starts at layer 0 and
+`model.norm` + `lm_head` when it ends at the last layer.
+
+The model knows nothing of stations, KV layout or the network: attention hands
+its q/k/v rows to an `AttentionContext`, which owns the cache and the ragged
+per-sequence structure of the wave. Rows are flat: a wave of T rows is [T, d].
+"""
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mesh.config import ModelConfig, RopeScaling
+
+
+class AttentionContext(Protocol):
+    """Stores this wave's keys/values and attends each row to its own sequence."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] (rotated) -> attention output [T, H, D]."""
+        ...
+
+
+def rope_inv_freq(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Inverse RoPE frequencies [D/2] in float32, with the config's scaling applied."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    rs: RopeScaling = cfg.rope_scaling
+    if rs.rope_type == "linear":
+        inv = inv / rs.factor
+    elif rs.rope_type == "llama3":
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D] for absolute `positions` [T], computed in float32 then cast."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] by cos/sin [T, D]."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 like the reference."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, d] -> normalised [T, d] in x's dtype."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over a ragged wave; KV lives in the context."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=cfg.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """x [T, d] -> [T, d]."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)  # [T, KVH, D]
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)  # [T, KVH, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = ctx.attend(self.layer, q, k, v)  # [T, H, D]
+        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, d] -> [T, d]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block with residuals."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """x [T, d] -> [T, d]."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    """The `model.` prefix of the HF names: embed_tokens, layers.{i}, norm."""
+
+    def __init__(self, cfg: ModelConfig, start: int, end: int) -> None:
+        super().__init__()
+        if start == 0:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(start, end)})
+        if end == cfg.num_hidden_layers:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaRange(nn.Module):
+    """Layers [start, end) of a Llama-family model, with embedding / head at the ends."""
+
+    def __init__(self, cfg: ModelConfig, start: int, end: int) -> None:
+        super().__init__()
+        if not 0 <= start < end <= cfg.num_hidden_layers:
+            raise ValueError(f"layer range [{start}, {end}) outside the model's {cfg.num_hidden_layers} layers")
+        self.cfg, self.start, self.end = cfg, start, end
+        self.model = _Body(cfg, start, end)
+        if self.is_last:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.inv_freq = rope_inv_freq(cfg, device="cpu")  # [D/2], a plain tensor: not a checkpoint key
+
+    @property
+    def is_first(self) -> bool:
+        """Holds the token embedding."""
+        return self.start == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Holds the final norm and lm_head."""
+        return self.end == self.cfg.num_hidden_layers
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [T] -> hidden [T, d]."""
+        return self.model.embed_tokens(token_ids)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Run every held layer: hidden [T, d] at absolute positions [T] -> hidden [T, d] (pre-norm)."""
+        cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)  # [T, D] each
+        for layer in self.model.layers.values():
+            hidden = layer(hidden, cos, sin, ctx)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head on selected rows: hidden [R, d] -> logits [R, V] in float32."""
+        return self.lm_head(self.model.norm(hidden)).float()

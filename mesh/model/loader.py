@@ -1,0 +1,98 @@
+"""Load a layer range of a Hugging Face safetensors checkpoint, by name, and nothing more.
+
+The range is built on the meta device; each of its parameters is read from the
+memory-mapped checkpoint by its HF name and assigned in place, so a half-model
+station holds about half the weights. `lm_head.weight` falls back to the
+embedding when the model ties them.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mesh.config import ModelConfig
+from mesh.model.llama import LlamaRange
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TIED_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory is missing files or tensors, or a tensor has the wrong shape."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """What a load read: the checkpoint keys opened and the bytes they hold once cast."""
+
+    keys_read: tuple[str, ...]
+    weight_bytes: int
+
+
+def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
+    """Map every tensor name of a checkpoint to the safetensors file holding it."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+        files = {name: d / fname for name, fname in weight_map.items()}
+        for f in set(files.values()):
+            if not f.is_file():
+                raise CheckpointError(f"{index}: names shard {f.name}, which does not exist")
+        return files
+    single = d / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"{d}: neither model.safetensors nor model.safetensors.index.json found")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_range(model_dir: str | Path, cfg: ModelConfig, start: int, end: int,
+               dtype: str = "float32", device: str = "cpu") -> tuple[LlamaRange, LoadReport]:
+    """Build layers [start, end) on meta and assign their tensors from the checkpoint."""
+    if dtype not in TORCH_DTYPES:
+        raise CheckpointError(f"dtype: unsupported {dtype!r}")
+    torch_dtype = TORCH_DTYPES[dtype]
+    with torch.device("meta"):
+        model = LlamaRange(cfg, start, end)
+    files = checkpoint_index(model_dir)
+    wanted = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    sources = {name: _source_name(name, files, cfg) for name in wanted}
+    by_file: dict[Path, list[str]] = {}
+    for name, src in sources.items():
+        by_file.setdefault(files[src], []).append(name)
+    state: dict[str, torch.Tensor] = {}
+    loaded: dict[str, torch.Tensor] = {}  # by source name: a tied head shares the embedding's storage
+    for path, names in sorted(by_file.items()):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in names:
+                if sources[name] in loaded:
+                    state[name] = loaded[sources[name]]
+                    continue
+                t = f.get_tensor(sources[name])
+                if tuple(t.shape) != wanted[name]:
+                    raise CheckpointError(f"{path.name}: tensor {sources[name]} has shape {list(t.shape)}, "
+                                          f"expected {list(wanted[name])}")
+                if not t.is_floating_point():
+                    raise CheckpointError(f"{path.name}: tensor {sources[name]} has non-float dtype {t.dtype}")
+                state[name] = loaded[sources[name]] = t.to(device=device, dtype=torch_dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = model.inv_freq.to(device)
+    model.eval().requires_grad_(False)
+    read = tuple(sorted(set(sources.values())))
+    return model, LoadReport(read, sum(t.numel() * t.element_size() for t in loaded.values()))
+
+
+def _source_name(name: str, files: dict[str, Path], cfg: ModelConfig) -> str:
+    if name in files:
+        return name
+    if name == TIED_HEAD and cfg.tie_word_embeddings and EMBED in files:
+        return EMBED
+    raise CheckpointError(f"checkpoint is missing tensor {name!r}")

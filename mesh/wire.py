@@ -1,0 +1,268 @@
+"""Tensors, wave entries and sampled tokens <-> the typed messages of station.proto.
+
+Everything that arrives from the wire is checked here before a station touches it:
+a dtype name from a fixed list, a shape whose byte size equals the payload exactly,
+rows that match the entries, token ids inside the vocabulary, sampling values the
+dataclasses accept. Any failure is a `WireError` whose message starts with the field
+(`hidden.shape[1]: ...`, `entries[3].sample.top_p: ...`), so the server can answer
+INVALID_ARGUMENT and keep serving. Tensor payloads are raw little-endian,
+C-contiguous bytes; nothing here deserializes Python objects.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from mesh.params import ParamError, SamplingParams
+from mesh.proto import station_pb2 as pb
+from mesh.wave import SampledToken, WaveEntry
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+_DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
+MAX_NDIM = 8  # no tensor on this wire has more dims; bounds the work a bad shape can cause
+_INT64_MAX = 2**63 - 1
+_INT32_MAX = 2**31 - 1
+
+
+class WireError(ValueError):
+    """A message on the wire is malformed; the text starts with the offending field."""
+
+
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element of a wire dtype name (WireError if the name is unknown)."""
+    if name not in DTYPES:
+        raise WireError(f"dtype: {name!r} is not a wire dtype; expected one of {sorted(DTYPES)}")
+    return DTYPES[name].itemsize
+
+
+def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
+    """Encode a tensor as raw little-endian, C-contiguous bytes with its dtype name and shape."""
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise WireError(f"tensor.dtype: {t.dtype} is not a wire dtype; expected one of {sorted(DTYPES)}")
+    t = t.detach().to("cpu").contiguous()
+    flat = t.reshape(-1)
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the same 2 bytes as int16
+        flat = flat.view(torch.int16)
+    arr = flat.numpy()
+    data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+    return pb.Tensor(dtype=name, shape=list(t.shape), data=data)
+
+
+def proto_to_tensor(
+    msg: pb.Tensor,
+    *,
+    expect_dtype: str | None = None,
+    expect_shape: tuple[int | None, ...] | None = None,
+    max_bytes: int | None = None,
+    field: str = "tensor",
+) -> torch.Tensor:
+    """Decode and validate a Tensor message into a writable CPU tensor that owns its memory.
+
+    `expect_shape` dims of None match any size; `field` prefixes every error message.
+    """
+    if msg.dtype not in DTYPES:
+        raise WireError(f"{field}.dtype: {msg.dtype!r} is not a wire dtype; expected one of {sorted(DTYPES)}")
+    if expect_dtype is not None and msg.dtype != expect_dtype:
+        raise WireError(f"{field}.dtype: expected {expect_dtype}, got {msg.dtype}")
+    shape = tuple(int(d) for d in msg.shape)
+    if len(shape) > MAX_NDIM:
+        raise WireError(f"{field}.shape: {len(shape)} dims, at most {MAX_NDIM} allowed")
+    for i, d in enumerate(shape):
+        if d < 0:
+            raise WireError(f"{field}.shape[{i}]: must be >= 0, got {d}")
+    if math.prod(max(d, 1) for d in shape) > _INT64_MAX:
+        raise WireError(f"{field}.shape: {list(shape)} has more elements than int64 can count")
+    if expect_shape is not None:
+        if len(shape) != len(expect_shape):
+            raise WireError(f"{field}.shape: expected {len(expect_shape)} dims, got {list(shape)}")
+        for i, (got, want) in enumerate(zip(shape, expect_shape)):
+            if want is not None and got != want:
+                raise WireError(f"{field}.shape[{i}]: expected {want}, got {got}")
+    itemsize = DTYPES[msg.dtype].itemsize
+    nbytes = math.prod(shape) * itemsize
+    if max_bytes is not None and max(nbytes, len(msg.data)) > max_bytes:
+        raise WireError(f"{field}: {max(nbytes, len(msg.data))} bytes exceeds the limit of {max_bytes}")
+    if nbytes != len(msg.data):
+        raise WireError(f"{field}.data: {len(msg.data)} bytes, but shape {list(shape)} of {msg.dtype} "
+                        f"needs {nbytes}")
+    dtype = DTYPES[msg.dtype]
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    # A private bytearray copy: the tensor is writable and nothing else holds its memory.
+    # Wire bytes are little-endian, as is every host torch runs on (x86-64, arm64).
+    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
+
+
+def _from_f32(v: float) -> float:
+    """Undo float32 rounding for values that were short decimals (0.7 -> 0.7, not 0.699999988)."""
+    return float(str(np.float32(v)))
+
+
+def entries_to_proto(entries: Sequence[WaveEntry]) -> list[pb.Entry]:
+    """Encode a wave's entries; only the per-step sampling fields of SamplingParams travel."""
+    out = []
+    for i, e in enumerate(entries):
+        if not isinstance(e, WaveEntry):
+            raise WireError(f"entries[{i}]: expected a WaveEntry, got {type(e).__name__}")
+        try:
+            msg = pb.Entry(seq_id=e.seq_id, start_pos=e.start_pos, n_tokens=e.n_tokens)
+            if e.sample is not None:
+                s = e.sample
+                msg.sample.CopyFrom(pb.Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                                seed=s.seed, logprobs=s.logprobs))
+        except (ValueError, TypeError) as err:  # out of uint32/uint64 range
+            raise WireError(f"entries[{i}]: {err}") from err
+        out.append(msg)
+    return out
+
+
+def proto_to_entries(msgs: Iterable[pb.Entry]) -> tuple[WaveEntry, ...]:
+    """Decode and validate a wave's entries: n_tokens >= 1, sampling values valid, seq_ids unique."""
+    out: list[WaveEntry] = []
+    first_index: dict[int, int] = {}
+    for i, m in enumerate(msgs):
+        if m.n_tokens < 1:
+            raise WireError(f"entries[{i}].n_tokens: must be >= 1, got {m.n_tokens}")
+        if m.seq_id in first_index:
+            raise WireError(f"entries[{i}].seq_id: {m.seq_id} already appears at "
+                            f"entries[{first_index[m.seq_id]}]; a sequence has one entry per wave")
+        first_index[m.seq_id] = i
+        sample = None
+        if m.HasField("sample"):
+            s = m.sample
+            try:
+                sample = SamplingParams(max_tokens=1, temperature=_from_f32(s.temperature),
+                                        top_p=_from_f32(s.top_p), top_k=s.top_k, seed=s.seed,
+                                        logprobs=s.logprobs)
+            except ParamError as err:
+                raise WireError(f"entries[{i}].sample.{err}") from err
+        try:
+            out.append(WaveEntry(seq_id=m.seq_id, start_pos=m.start_pos, n_tokens=m.n_tokens, sample=sample))
+        except ValueError as err:
+            raise WireError(f"entries[{i}]: {err}") from err
+    return tuple(out)
+
+
+def samples_to_proto(samples: Sequence[SampledToken | None]) -> pb.Samples:
+    """Encode one result per entry, in wave order; None (no token asked) becomes present=False."""
+    out = pb.Samples()
+    for i, s in enumerate(samples):
+        if s is None:
+            out.samples.add(present=False)
+            continue
+        try:
+            msg = out.samples.add(present=True, token_id=s.token_id)
+            if s.logprob is not None:
+                msg.logprob = s.logprob
+            for tok, lp in s.top_logprobs:
+                msg.top.add(token_id=tok, logprob=lp)
+        except (ValueError, TypeError) as err:
+            raise WireError(f"samples[{i}]: {err}") from err
+    return out
+
+
+def proto_to_samples(msg: pb.Samples, *, n_entries: int | None = None,
+                     vocab_size: int | None = None) -> list[SampledToken | None]:
+    """Decode sampled tokens; checks the count (if n_entries), token ids and logprobs."""
+    if n_entries is not None and len(msg.samples) != n_entries:
+        raise WireError(f"samples: expected {n_entries} (one per entry), got {len(msg.samples)}")
+    hi = vocab_size if vocab_size is not None else _INT32_MAX + 1
+
+    def check_token(where: str, tok: int) -> None:
+        if not 0 <= tok < hi:
+            raise WireError(f"{where}: {tok} is outside the vocabulary [0, {hi})")
+
+    def check_logprob(where: str, lp: float) -> None:
+        if math.isnan(lp) or lp > 0.0:
+            raise WireError(f"{where}: must be a log-probability <= 0, got {lp}")
+
+    out: list[SampledToken | None] = []
+    for i, s in enumerate(msg.samples):
+        if not s.present:
+            if s.top or s.HasField("logprob"):
+                raise WireError(f"samples[{i}]: logprobs given for an entry that sampled no token")
+            out.append(None)
+            continue
+        check_token(f"samples[{i}].token_id", s.token_id)
+        logprob = None
+        if s.HasField("logprob"):
+            check_logprob(f"samples[{i}].logprob", s.logprob)
+            logprob = s.logprob
+        top = []
+        for j, t in enumerate(s.top):
+            check_token(f"samples[{i}].top[{j}].token_id", t.token_id)
+            check_logprob(f"samples[{i}].top[{j}].logprob", t.logprob)
+            top.append((t.token_id, t.logprob))
+        out.append(SampledToken(token_id=s.token_id, logprob=logprob, top_logprobs=tuple(top)))
+    return out
+
+
+def encode_forward(wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequence[int] | None,
+                   hidden: torch.Tensor | None) -> pb.ForwardRequest:
+    """Build a ForwardRequest: token ids for the first station, hidden rows for the others."""
+    if (token_ids is None) == (hidden is None):
+        raise WireError("payload: give exactly one of token_ids or hidden")
+    rows = sum(e.n_tokens for e in entries)
+    req = pb.ForwardRequest(wave_id=wave_id, entries=entries_to_proto(entries))
+    if token_ids is not None:
+        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        if len(ids) != rows:
+            raise WireError(f"token_ids.ids: {len(ids)} ids, but the entries cover {rows} rows")
+        try:
+            req.token_ids.ids.extend(ids)
+        except (ValueError, TypeError) as err:
+            raise WireError(f"token_ids.ids: {err}") from err
+    else:
+        assert hidden is not None
+        if hidden.dim() != 2 or hidden.shape[0] != rows:
+            raise WireError(f"hidden.shape: expected [{rows}, hidden_size], got {list(hidden.shape)}")
+        req.hidden.CopyFrom(tensor_to_proto(hidden))
+    return req
+
+
+def decode_forward(
+    msg: pb.ForwardRequest, *, hidden_size: int, dtype: str, vocab_size: int, max_entries: int, max_rows: int
+) -> tuple[int, tuple[WaveEntry, ...], torch.Tensor | None, torch.Tensor | None]:
+    """Validate a ForwardRequest against a station's shape and limits.
+
+    Returns (wave_id, entries, token_ids [T] int64 or None, hidden [T, hidden_size] or None),
+    where T is the sum of the entries' n_tokens; exactly one of the two payloads is set.
+    """
+    n = len(msg.entries)
+    if n == 0:
+        raise WireError("entries: a wave needs at least one entry")
+    if n > max_entries:
+        raise WireError(f"entries: {n} entries exceeds max_entries {max_entries}")
+    entries = proto_to_entries(msg.entries)
+    rows = sum(e.n_tokens for e in entries)
+    if rows > max_rows:
+        raise WireError(f"entries: {rows} rows (sum of n_tokens) exceeds max_rows {max_rows}")
+    payload = msg.WhichOneof("payload")
+    if payload is None:
+        raise WireError("payload: missing; expected token_ids or hidden")
+    if payload == "token_ids":
+        ids = msg.token_ids.ids
+        if len(ids) != rows:
+            raise WireError(f"token_ids.ids: {len(ids)} ids, but the entries cover {rows} rows")
+        token_ids = torch.tensor(list(ids), dtype=torch.int64)  # [T]
+        bad = ((token_ids < 0) | (token_ids >= vocab_size)).nonzero()
+        if bad.numel():
+            j = int(bad[0, 0])
+            raise WireError(f"token_ids.ids[{j}]: {int(token_ids[j])} is outside the vocabulary [0, {vocab_size})")
+        return msg.wave_id, entries, token_ids, None
+    shape = list(msg.hidden.shape)
+    if shape and shape[0] != rows:
+        raise WireError(f"hidden.shape[0]: {shape[0]} rows, but the entries cover {rows} rows")
+    hidden = proto_to_tensor(msg.hidden, expect_dtype=dtype, expect_shape=(rows, hidden_size),
+                             max_bytes=rows * hidden_size * dtype_itemsize(dtype), field="hidden")  # [T, H]
+    return msg.wave_id, entries, None, hidden

@@ -1,0 +1,233 @@
+"""One station: a layer range, its KV, and the batched step over a ragged wave.
+
+A wave is K entries (seq_id, start_pos, n_tokens), prompt chunks and decode
+tokens together, T rows in all. Every linear layer runs once over all T rows
+(one weight read per wave); attention runs per sequence against its own KV:
+decode rows (n == 1) in one padded batch, prompt chunks one by one.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mesh.config import ModelConfig, StationSpec
+from mesh.model.loader import TORCH_DTYPES, load_range
+from mesh.sampling import sample_tokens
+from mesh.wave import SampledToken, WaveEntry, wave_rows
+from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats
+
+
+class StepError(ValueError):
+    """A wave is malformed: the message names the entry and field."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """Hidden rows [T, d] for the next station, or (last station) one sample per entry (None if not asked)."""
+
+    hidden: torch.Tensor | None = None
+    samples: list[SampledToken | None] | None = None
+    seconds: float = 0.0
+    logits: torch.Tensor | None = None  # [R, V] float32 of the sampled rows, only when asked
+
+
+@dataclass(frozen=True, slots=True)
+class StationStats:
+    """Counters of one station since it started, and its KV occupancy."""
+
+    layers: tuple[int, int]
+    forwards: int
+    rows: int
+    prefill_seconds: float
+    decode_seconds: float
+    kv: KVStats
+
+
+class WaveAttention:
+    """AttentionContext for one wave: writes each layer's new K/V, then attends per sequence."""
+
+    def __init__(self, kv: KVPool, first_layer: int, entries: tuple[WaveEntry, ...], device: torch.device,
+                 window: int | None) -> None:
+        self.kv, self.first_layer = kv, first_layer
+        blocks, offsets, row = [], [], 0
+        decode_rows, decode_tables, decode_lens = [], [], []
+        self.chunks = []  # (rows slice, block table [nb], mask [n, S]) for n > 1
+        for e in entries:
+            b, o = kv.slots(e.seq_id, e.start_pos, e.n_tokens, "cpu")
+            blocks.append(b)
+            offsets.append(o)
+            table = torch.tensor(kv.table(e.seq_id)[: -(-e.end_pos // kv.block_tokens)], dtype=torch.long)
+            if e.n_tokens == 1:
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_lens.append(e.end_pos)
+            else:
+                q_pos = torch.arange(e.start_pos, e.end_pos)[:, None]  # [n, 1]
+                k_pos = torch.arange(e.end_pos)[None, :]  # [1, S]
+                mask = _visible(k_pos, q_pos, window)  # [n, S]
+                self.chunks.append((slice(row, row + e.n_tokens), table.to(device), mask.to(device)))
+            row += e.n_tokens
+        self.blocks = torch.cat(blocks).to(device)  # [T]
+        self.offsets = torch.cat(offsets).to(device)  # [T]
+        self.decode_rows = None
+        if decode_rows:
+            nb = max(len(t) for t in decode_tables)
+            padded = torch.zeros(len(decode_tables), nb, dtype=torch.long)  # pad with block 0, masked out
+            for i, t in enumerate(decode_tables):
+                padded[i, : len(t)] = t
+            lens = torch.tensor(decode_lens)[:, None]  # [B, 1]
+            k_pos = torch.arange(nb * kv.block_tokens)[None, :]  # [1, S]
+            mask = (k_pos < lens) & _visible(k_pos, lens - 1, window)  # [B, S]
+            self.decode_rows = torch.tensor(decode_rows, device=device)  # [B]
+            self.decode_tables = padded.to(device)  # [B, nb]
+            self.decode_mask = mask[:, None, None, :].to(device)  # [B, 1, 1, S]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; stores k/v first."""
+        local = layer - self.first_layer
+        self.kv.write(local, self.blocks, self.offsets, k, v)
+        out = torch.empty_like(q)  # [T, H, D]
+        if self.decode_rows is not None:
+            keys, values = self.kv.gather(local, self.decode_tables)  # [B, KVH, S, D]
+            qd = q.index_select(0, self.decode_rows).unsqueeze(2)  # [B, H, 1, D]
+            od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=self.decode_mask, enable_gqa=True)
+            out.index_copy_(0, self.decode_rows, od.squeeze(2))
+        for rows, table, mask in self.chunks:
+            keys, values = self.kv.gather(local, table[None])  # [1, KVH, S', D]
+            s = mask.shape[1]
+            qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            oc = F.scaled_dot_product_attention(qc, keys[:, :, :s], values[:, :, :s], attn_mask=mask, enable_gqa=True)
+            out[rows] = oc[0].transpose(0, 1)  # [n, H, D]
+        return out
+
+
+def _visible(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (and sliding-window) visibility of key positions from query positions."""
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+class Station:
+    """Layers [start, end) of a checkpoint, their KV, and the batched wave step."""
+
+    def __init__(self, model_dir: str | Path, spec: StationSpec, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
+        self.model_dir = Path(model_dir)
+        self.config = ModelConfig.from_dir(model_dir)
+        spec.check_against(self.config)
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        self.dtype = TORCH_DTYPES[spec.dtype]
+        self.model, self.load_report = load_range(model_dir, self.config, spec.start, spec.end, spec.dtype, spec.device)
+        self.kv = KVPool(self.config, spec, block_tokens)
+        self._forwards = self._rows = 0
+        self._seconds = {"prefill": 0.0, "decode": 0.0}
+
+    @property
+    def is_first(self) -> bool:
+        """Takes token ids (holds the embedding)."""
+        return self.model.is_first
+
+    @property
+    def is_last(self) -> bool:
+        """Returns sampled tokens (holds norm and lm_head)."""
+        return self.model.is_last
+
+    def forward(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None, want_logits: bool = False) -> StepOutput:
+        """Advance every entry of the wave by its rows; raises StepError on a malformed wave, KVBudgetError when full.
+
+        The first station takes token_ids [T], later ones hidden [T, d]. The last station samples one token
+        for each entry with `sample` set (and returns those rows' logits when `want_logits`).
+        """
+        t0 = time.perf_counter()
+        x = self._validate(entries, token_ids, hidden)
+        before = {e.seq_id: self.kv.length(e.seq_id) for e in entries}
+        self.kv.reserve({e.seq_id: e.end_pos for e in entries})
+        try:
+            with torch.inference_mode():
+                out = self._compute(entries, x, want_logits)
+        except BaseException:
+            for seq_id, length in before.items():
+                self.kv.truncate(seq_id, length)
+            raise
+        seconds = time.perf_counter() - t0
+        self._forwards += 1
+        self._rows += x.shape[0]
+        self._seconds["decode" if all(e.n_tokens == 1 for e in entries) else "prefill"] += seconds
+        return StepOutput(out[0], out[1], seconds, out[2])
+
+    def _compute(self, entries: tuple[WaveEntry, ...], x: torch.Tensor, want_logits: bool):
+        positions = torch.cat([torch.arange(e.start_pos, e.end_pos) for e in entries]).to(self.device)  # [T]
+        hidden = self.model.embed(x) if self.is_first else x  # [T, d]
+        ctx = WaveAttention(self.kv, self.spec.start, entries, self.device, self.config.sliding_window)
+        hidden = self.model(hidden, positions, ctx)  # [T, d]
+        if not self.is_last:
+            return hidden, None, None
+        last_rows, params, token_pos = [], [], []
+        row = 0
+        for e in entries:
+            row += e.n_tokens
+            if e.sample is not None:
+                last_rows.append(row - 1)
+                params.append(e.sample)
+                token_pos.append(e.end_pos)
+        drawn, logits = iter(()), None
+        if last_rows:
+            logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])  # [R, V]
+            drawn = iter(sample_tokens(logits, params, token_pos))
+        samples = [next(drawn) if e.sample is not None else None for e in entries]
+        return None, samples, (logits if want_logits else None)
+
+    def _validate(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor | None,
+                  hidden: torch.Tensor | None) -> torch.Tensor:
+        if not entries:
+            raise StepError("entries: a wave needs at least one entry")
+        seen = set()
+        for i, e in enumerate(entries):
+            if not isinstance(e, WaveEntry):
+                raise StepError(f"entries[{i}]: expected a WaveEntry, got {type(e).__name__}")
+            if e.seq_id in seen:
+                raise StepError(f"entries[{i}].seq_id: {e.seq_id} appears twice in one wave")
+            seen.add(e.seq_id)
+            held = self.kv.length(e.seq_id)
+            if held is None and e.start_pos != 0:
+                raise StepError(f"entries[{i}].seq_id: unknown seq_id {e.seq_id} (start_pos {e.start_pos} "
+                                "but this station holds no KV for it)")
+            if held is not None and e.start_pos != held:
+                how = "skips ahead" if e.start_pos > held else "goes backwards"
+                raise StepError(f"entries[{i}].start_pos: {e.start_pos} {how}; seq_id {e.seq_id} holds {held} positions")
+            if e.end_pos > self.config.max_position_embeddings:
+                raise StepError(f"entries[{i}]: position {e.end_pos} exceeds the model context "
+                                f"({self.config.max_position_embeddings})")
+        rows = wave_rows(entries)
+        if self.is_first:
+            if token_ids is None or hidden is not None:
+                raise StepError("token_ids: the first station takes token ids, not hidden rows")
+            if token_ids.dtype not in (torch.int64, torch.int32) or tuple(token_ids.shape) != (rows,):
+                raise StepError(f"token_ids: expected int64 [{rows}], got {token_ids.dtype} {list(token_ids.shape)}")
+            if rows and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
+                raise StepError(f"token_ids: ids must lie in [0, {self.config.vocab_size})")
+            return token_ids.to(self.device, torch.long)
+        if hidden is None or token_ids is not None:
+            raise StepError(f"hidden: station [{self.spec.start}, {self.spec.end}) takes hidden rows, not token ids")
+        want = (rows, self.config.hidden_size)
+        if tuple(hidden.shape) != want or hidden.dtype != self.dtype:
+            raise StepError(f"hidden: expected {self.spec.dtype} {list(want)}, got "
+                            f"{str(hidden.dtype).removeprefix('torch.')} {list(hidden.shape)}")
+        return hidden.to(self.device)
+
+    def release(self, seq_ids: list[int] | tuple[int, ...]) -> int:
+        """Free the KV of these sequences; returns how many were resident."""
+        return sum(self.kv.release(s) for s in seq_ids)
+
+    def stats(self) -> StationStats:
+        """Counters and KV occupancy."""
+        return StationStats(self.spec.layers, self._forwards, self._rows, self._seconds["prefill"],
+                            self._seconds["decode"], self.kv.stats())
+

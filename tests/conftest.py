@@ -1,0 +1,25 @@
+"""Shared fixtures: synthetic checkpoints written once per test session (no network)."""
+from __future__ import annotations
+
+import pytest
+
+from mesh.model.synthetic import init_model
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """{arch: tiny checkpoint dir} for llama (GQA + llama3 rope), mistral and qwen2 (bias + tied)."""
+    root = tmp_path_factory.mktemp("models")
+    return {arch: init_model(root / f"tiny-{arch}", "tiny", arch) for arch in ("llama", "mistral", "qwen2")}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(model_dirs):
+    """The tiny llama checkpoint."""
+    return model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def sharded_llama(tmp_path_factory):
+    """The tiny llama written as 3 shards with a model.safetensors.index.json."""
+    return init_model(tmp_path_factory.mktemp("sharded") / "tiny-llama-3", "tiny", "llama", shards=3)
