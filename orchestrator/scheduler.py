@@ -1,0 +1,370 @@
+"""Continuous-batching scheduler: admission, token and KV budgets, wave plans, retirement.
+
+Pure Python, no torch; tested with fake station outputs. Each plan() builds one ragged
+wave: 1-token entries of decoding sequences first, then prompt (or recompute) chunks
+within `max_wave_tokens`, then admissions from the waiting queue. Several waves may be
+in flight; a sequence is in at most one. KV is counted in the stations' paged blocks.
+
+Where a sequence's station KV must be released:
+- it finished at a commit, or was cancelled/finished while in that wave: `CommitResult.released`;
+- cancel()/finish() of a sequence not in flight: their return value;
+- preemption inside plan(), or a cancelled sequence whose wave was aborted: `take_releases()`,
+  which the engine must drain after every plan() and abort_wave(), BEFORE sending the wave
+  (the wave may reuse the blocks the preempted sequence held).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mesh.config import SchedulerConfig
+from mesh.params import SamplingParams
+from mesh.wave import SampledToken, WaveEntry
+from orchestrator.sequence import KVBlockLedger, Request, Sequence, SequenceStatus, SequenceTable, WaitingQueue
+
+REFUSAL_REASONS = ("never_fits", "queue_full", "invalid")
+
+
+class AdmissionError(Exception):
+    """A request is refused: `reason` (never_fits | queue_full | invalid), HTTP `status`, `param`."""
+
+    def __init__(self, reason: str, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class KVLimits:
+    """What the stations can hold: context length and the smallest station's paged KV."""
+
+    max_context: int  # most tokens (prompt + output) one sequence may reach
+    kv_blocks: int  # KV blocks the smallest station holds
+    block_tokens: int  # tokens per KV block
+
+    def __post_init__(self) -> None:
+        for name in ("max_context", "kv_blocks", "block_tokens"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+                raise ValueError(f"KVLimits.{name} must be a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class WavePlan:
+    """One wave: its entries and their token ids concatenated in entry order."""
+
+    entries: tuple[WaveEntry, ...]
+    token_ids: tuple[int, ...]
+    wave_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One newly generated token of a sequence (finish_reason set on its last)."""
+
+    seq_id: int
+    request_id: str
+    token_id: int
+    logprob: float | None
+    top_logprobs: tuple
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """What a commit produced: tokens to stream, sequences finished, station KV to release."""
+
+    events: tuple[TokenEvent, ...]
+    finished: tuple[int, ...]  # seq ids that finished (stop / length) at this commit
+    released: tuple[int, ...]  # seq ids whose station KV must be released now
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """Counters and gauges of the scheduler; wave figures count committed waves."""
+
+    running: int
+    waiting: int
+    in_flight_waves: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    preemptions: int
+    prefill_tokens: int  # committed rows of prompt / recompute chunks
+    decode_tokens: int  # committed rows of decode steps
+    waves: int
+    last_wave_tokens: int
+    mean_wave_occupancy: float  # rows / max_wave_tokens, averaged over waves
+    max_wave_occupancy: float
+    refusals: dict[str, int]
+    finished: dict[str, int]  # by finish reason (stop, length, cancelled, engine reasons)
+    last_wave_entries: int = 0
+    mean_wave_entries: float = 0.0
+    max_wave_entries: int = 0
+
+
+class Scheduler:
+    """Plans ragged waves over live sequences and retires them from sampled tokens."""
+
+    def __init__(self, config: SchedulerConfig, limits: KVLimits, eos_token_ids: tuple[int, ...]) -> None:
+        """An idle scheduler with every KV block free."""
+        self.config = config
+        self.limits = limits
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._ledger = KVBlockLedger(limits.kv_blocks, limits.block_tokens)
+        self._waiting = WaitingQueue(config.short_first, config.short_prompt_tokens, config.max_skips)
+        self._seqs = SequenceTable()
+        self._in_flight: dict[int, tuple[WavePlan, int]] = {}  # wave id -> (plan, decode rows)
+        self._pending_releases: list[int] = []
+        self._next_wave_id = 0
+        self._arrivals = 0
+        self._preemptions = 0
+        self._prefill_tokens = self._decode_tokens = self._waves = 0
+        self._last_rows = self._last_entries = self._sum_entries = self._max_entries = 0
+        self._sum_occupancy = self._max_occupancy = 0.0
+        self._refusals = dict.fromkeys(REFUSAL_REASONS, 0)
+        self._finished: dict[str, int] = {}
+
+    def add(self, seq_id: int, request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams) -> None:
+        """Queue a request, or raise AdmissionError (400 never fits / invalid, 503 queue full)."""
+        if seq_id in self._seqs:
+            raise ValueError(f"seq_id {seq_id} is already live")
+        prompt = tuple(prompt_ids)
+        if not prompt:
+            self._refuse("invalid", 400, "prompt is empty: at least one token is required", "prompt")
+        if not all(isinstance(t, int) and t >= 0 for t in prompt):
+            self._refuse("invalid", 400, "prompt token ids must be non-negative integers", "prompt")
+        total, ctx = len(prompt) + params.max_tokens, self.limits.max_context
+        if total > ctx:
+            self._refuse("never_fits", 400,
+                         f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
+                         f"exceeds the context of {ctx} tokens",
+                         "prompt" if len(prompt) >= ctx else "max_tokens")
+        need = self._ledger.blocks_for(total)
+        if need > self.limits.kv_blocks:
+            self._refuse("never_fits", 400,
+                         f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens need "
+                         f"{need} KV blocks of {self.limits.block_tokens} tokens; the stations hold "
+                         f"{self.limits.kv_blocks} blocks", "max_tokens")
+        if len(self._waiting) >= self.config.max_queue:
+            self._refuse("queue_full", 503,
+                         f"waiting queue is full ({len(self._waiting)} of {self.config.max_queue} requests); "
+                         "retry later", None)
+        seq = Sequence(seq_id, Request(request_id, prompt, params), arrival=self._arrivals)
+        self._arrivals += 1
+        self._seqs.add(seq)
+        self._waiting.push_back(seq)
+
+    def _refuse(self, reason: str, status: int, message: str, param: str | None) -> None:
+        self._refusals[reason] += 1
+        raise AdmissionError(reason, status, message, param)
+
+    def plan(self, max_entries: int | None = None) -> WavePlan | None:
+        """Build the next wave from sequences not in flight (None when nothing can be scheduled)."""
+        cap = self.config.max_seqs if max_entries is None else max_entries
+        if cap < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        budget = self.config.max_wave_tokens
+        entries: list[WaveEntry] = []
+        tokens: list[int] = []
+        planned: set[int] = set()
+        decode_rows = 0
+        preempted_before = self._preemptions
+        ready = [s for s in self._seqs.running if s.in_flight_wave is None]
+
+        def put(seq: Sequence, n: int) -> None:
+            nonlocal budget
+            end = seq.num_computed + n
+            entries.append(WaveEntry(seq.seq_id, seq.num_computed, n,
+                                     seq.params if end == seq.num_tokens else None))
+            tokens.extend(seq.token_slice(seq.num_computed, end))
+            planned.add(seq.seq_id)
+            budget -= n
+
+        for seq in ready:  # 1. decode: one token for each decoding sequence
+            if len(entries) >= cap or budget < 1:
+                break
+            if seq.status is SequenceStatus.RUNNING and seq.num_pending == 1 and self._fit(seq, 1, planned):
+                decode_rows += 1 if seq.output_ids else 0
+                put(seq, 1)
+        for seq in ready:  # 2. prompt / recompute chunks within the token budget
+            if len(entries) >= cap or budget < 1:
+                break
+            if seq.status is SequenceStatus.RUNNING and seq.seq_id not in planned and seq.num_pending > 1:
+                n = self._fit(seq, min(seq.num_pending, budget), planned)
+                if n:
+                    put(seq, n)
+        if self._preemptions == preempted_before:  # 3. admission (not while KV is short)
+            while len(entries) < cap and budget >= 1 and len(self._seqs.running) < self.config.max_seqs:
+                seq = self._waiting.peek()
+                if seq is None:
+                    break
+                n = min(seq.num_pending, budget, self._ledger.capacity(seq))
+                if n < 1:
+                    break
+                self._waiting.take(seq)
+                self._seqs.start_running(seq)
+                self._ledger.reserve(seq, seq.num_computed + n)
+                put(seq, n)
+        if not entries:
+            return None
+        plan = WavePlan(tuple(entries), tuple(tokens), self._next_wave_id)
+        self._next_wave_id += 1
+        for entry in entries:
+            self._seqs[entry.seq_id].in_flight_wave = plan.wave_id
+        self._in_flight[plan.wave_id] = (plan, decode_rows)
+        return plan
+
+    def _fit(self, seq: Sequence, want: int, planned: set[int]) -> int:
+        """Reserve KV for up to `want` more tokens of `seq`, preempting newer sequences if no block
+        is free; returns the tokens granted (0: skip it this wave)."""
+        while True:
+            room = self._ledger.capacity(seq)
+            if room >= 1:
+                n = min(want, room)
+                self._ledger.reserve(seq, seq.num_computed + n)
+                return n
+            victim = self._seqs.newest_victim(seq, planned)
+            if victim is None:
+                return 0
+            self._preempt(victim)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop `seq`'s KV and put it at the front of the waiting queue to be recomputed."""
+        self._ledger.release(seq)
+        self._seqs.stop_running(seq)
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        seq.preemptions += 1
+        seq.skips = 0
+        self._waiting.push_front(seq)
+        self._pending_releases.append(seq.seq_id)
+        self._preemptions += 1
+
+    def take_releases(self) -> tuple[int, ...]:
+        """Seq ids whose station KV must be released before the next wave is sent (preemptions in
+        plan(), cancelled sequences of an aborted wave); drains the list."""
+        out, self._pending_releases = tuple(self._pending_releases), []
+        return out
+
+    def commit(self, plan: WavePlan, samples: list[SampledToken | None]) -> CommitResult:
+        """Apply a wave's sampled tokens (aligned with plan.entries): advance, stream, retire."""
+        record = self._in_flight.get(plan.wave_id)
+        if record is None or record[0] != plan:
+            raise ValueError(f"wave {plan.wave_id} is not in flight")
+        if len(samples) != len(plan.entries):
+            raise ValueError(f"wave {plan.wave_id}: {len(samples)} samples for {len(plan.entries)} entries")
+        for entry, sample in zip(plan.entries, samples):
+            if entry.sample is not None and sample is None and self._seqs[entry.seq_id].finish_reason is None:
+                raise ValueError(f"wave {plan.wave_id}: seq {entry.seq_id} asked for a token and got none")
+        del self._in_flight[plan.wave_id]
+        events: list[TokenEvent] = []
+        finished: list[int] = []
+        released: list[int] = []
+        for entry, sample in zip(plan.entries, samples):
+            seq = self._seqs[entry.seq_id]
+            seq.in_flight_wave = None
+            if seq.status is SequenceStatus.FINISHED:  # cancelled / finished while in flight
+                self._drop(seq)
+                released.append(seq.seq_id)
+                continue
+            seq.num_computed = entry.end_pos
+            if entry.sample is None:
+                continue
+            seq.output_ids.append(sample.token_id)
+            reason = self._stop_reason(seq, sample.token_id)
+            events.append(TokenEvent(seq.seq_id, seq.request_id, sample.token_id, sample.logprob,
+                                     tuple(sample.top_logprobs), reason))
+            if reason is not None:
+                self._end(seq, reason)
+                self._drop(seq)
+                finished.append(seq.seq_id)
+                released.append(seq.seq_id)
+        self._count_wave(plan, decode_rows=record[1])
+        return CommitResult(tuple(events), tuple(finished), tuple(released))
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
+        params = seq.params
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return "stop"
+        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.limits.max_context:
+            return "length"
+        return None
+
+    def _count_wave(self, plan: WavePlan, decode_rows: int) -> None:
+        rows, n_entries = len(plan.token_ids), len(plan.entries)
+        occupancy = rows / self.config.max_wave_tokens
+        self._waves += 1
+        self._decode_tokens += decode_rows
+        self._prefill_tokens += rows - decode_rows
+        self._last_rows, self._last_entries = rows, n_entries
+        self._sum_occupancy += occupancy
+        self._max_occupancy = max(self._max_occupancy, occupancy)
+        self._sum_entries += n_entries
+        self._max_entries = max(self._max_entries, n_entries)
+
+    def abort_wave(self, plan: WavePlan) -> None:
+        """A wave failed: its sequences leave flight with num_computed unchanged (replanned later).
+        KV of those cancelled meanwhile is reported by take_releases()."""
+        record = self._in_flight.pop(plan.wave_id, None)
+        if record is None:
+            raise ValueError(f"wave {plan.wave_id} is not in flight")
+        for entry in record[0].entries:
+            seq = self._seqs[entry.seq_id]
+            seq.in_flight_wave = None
+            if seq.status is SequenceStatus.FINISHED:
+                self._drop(seq)
+                self._pending_releases.append(seq.seq_id)
+
+    def cancel(self, request_id: str) -> tuple[int, ...]:
+        """End every sequence of a request; returns seq ids whose KV to release now (those in
+        flight are released at their wave's commit, their sampled token dropped)."""
+        release_now: list[int] = []
+        for seq_id in self._seqs.of_request(request_id):
+            release_now.extend(self.finish(seq_id, "cancelled"))
+        return tuple(release_now)
+
+    def finish(self, seq_id: int, reason: str) -> tuple[int, ...]:
+        """End one sequence for an engine reason (e.g. a stop string); release semantics as cancel.
+        Unknown or already finished ids are ignored."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.status is SequenceStatus.FINISHED:
+            return ()
+        was_waiting = seq.status is SequenceStatus.WAITING
+        self._end(seq, reason)
+        if seq.in_flight_wave is not None:
+            return ()
+        self._drop(seq)
+        return () if was_waiting else (seq_id,)
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        """Mark `seq` finished and take it out of the waiting queue or the running list."""
+        if seq.status is SequenceStatus.WAITING:
+            self._waiting.remove(seq)
+        else:
+            self._seqs.stop_running(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._finished[reason] = self._finished.get(reason, 0) + 1
+
+    def _drop(self, seq: Sequence) -> None:
+        """Free a finished sequence's KV blocks and forget it."""
+        self._ledger.release(seq)
+        self._seqs.forget(seq)
+
+    def has_work(self) -> bool:
+        """True while any sequence waits or runs, or a wave is in flight."""
+        return bool(self._seqs.running or len(self._waiting) or self._in_flight)
+
+    def stats(self) -> SchedulerStats:
+        """A snapshot of the counters and gauges."""
+        waves = self._waves or 1
+        return SchedulerStats(
+            running=len(self._seqs.running), waiting=len(self._waiting), in_flight_waves=len(self._in_flight),
+            kv_blocks_used=self._ledger.used, kv_blocks_total=self._ledger.total,
+            preemptions=self._preemptions, prefill_tokens=self._prefill_tokens,
+            decode_tokens=self._decode_tokens, waves=self._waves, last_wave_tokens=self._last_rows,
+            mean_wave_occupancy=self._sum_occupancy / waves, max_wave_occupancy=self._max_occupancy,
+            refusals=dict(self._refusals), finished=dict(self._finished),
+            last_wave_entries=self._last_entries, mean_wave_entries=self._sum_entries / waves,
+            max_wave_entries=self._max_entries)
