@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from mesh.config import ConfigError
-from mesh.params import ParamError, SamplingParams
+from mesh.params import ParamError, SamplingParams, sampling_from_json
 
 
 def _cache_dir() -> Path:
@@ -44,8 +44,51 @@ def cmd_init_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_requests(path: str, tok) -> list[tuple[list[int], SamplingParams]]:
+    """Parse a JSONL file of requests; errors name the line and the field."""
+    jobs = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            if not isinstance(d, dict):
+                raise ValueError("expected a JSON object")
+            if ("prompt" in d) == ("prompt_ids" in d):
+                raise ValueError("give exactly one of prompt / prompt_ids")
+            ids = tok.encode(d["prompt"]).ids if "prompt" in d else d["prompt_ids"]
+            if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
+                raise ValueError("prompt_ids: must be a non-empty list of integers")
+            jobs.append((ids, sampling_from_json(d)))
+        except (ValueError, ParamError) as e:
+            raise ValueError(f"{path}:{n}: {e}") from e
+    return jobs
+
+
+def _generate_many(model_dir: Path, cfg, tok, args: argparse.Namespace) -> int:
+    from mesh.config import SchedulerConfig, StationSpec
+    from orchestrator.engine import Engine
+    from orchestrator.pipeline import LocalLink
+    from station.step import Station
+
+    jobs = _read_requests(args.requests, tok)
+    station = Station(model_dir, StationSpec(layers=(0, cfg.num_hidden_layers), device=args.device, dtype=args.dtype))
+    engine = Engine([LocalLink(station)], cfg, SchedulerConfig(max_seqs=args.max_seqs, max_queue=max(256, len(jobs))), tok)
+    try:
+        streams = [engine.submit(ids, params) for ids, params in jobs]
+        for s in streams:
+            out = s.result()[0]
+            if args.json:
+                print(json.dumps({"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason}))
+            else:
+                print(out.text)
+    finally:
+        engine.close()
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Run one request through a single in-process, full-model station."""
+    """Run one prompt on an in-process full-model station, or a JSONL file of requests through the engine."""
     from tokenizers import Tokenizer
 
     from mesh.config import ModelConfig, StationSpec
@@ -55,6 +98,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    if args.requests:
+        return _generate_many(model_dir, cfg, tok, args)
     prompt = args.prompt_ids if args.prompt_ids is not None else tok.encode(args.prompt).ids
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
@@ -99,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-ids", type=_parse_ids)
+    src.add_argument("--requests", help="JSONL file, one request per line, run concurrently through the engine")
+    gen.add_argument("--max-seqs", type=int, default=32, help="with --requests: sequences batched at once")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

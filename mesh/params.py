@@ -62,3 +62,32 @@ def _is_int(v: object) -> bool:
 
 def _is_num(v: object) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                   "ignore_eos", "logprobs")
+
+
+def sampling_from_json(d: dict, defaults: SamplingParams | None = None) -> SamplingParams:
+    """SamplingParams from a JSON object's sampling fields (others are ignored); None means the default.
+
+    `stop` may be one string or a list; lists become tuples. Raises ParamError naming the field.
+    """
+    base = defaults or SamplingParams()
+    kw = {}
+    for name in SAMPLING_FIELDS:
+        v = d.get(name)
+        if v is None:
+            continue
+        if name == "stop":
+            v = (v,) if isinstance(v, str) else v
+        if name in ("stop", "stop_token_ids"):
+            if not isinstance(v, (list, tuple)):
+                raise ParamError(name, f"must be a list, got {type(v).__name__}")
+            v = tuple(v)
+        kw[name] = v
+    if isinstance(kw.get("logprobs"), bool):  # chat-style `logprobs: true` means the sampled token's logprob
+        kw["logprobs"] = int(kw["logprobs"])
+    fields = {name: getattr(base, name) for name in SAMPLING_FIELDS}
+    fields.update(kw)
+    return SamplingParams(**fields)

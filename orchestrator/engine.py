@@ -1,0 +1,247 @@
+"""The engine: scheduler + pipeline + streaming, the object the API calls.
+
+One wave-loop thread owns the scheduler's plan/commit cycle; submit() and
+cancel() take the same lock from any thread, so admission errors are raised to
+the caller at once. The loop keeps up to `pipeline.depth` waves in flight,
+splitting running sequences into groups so each station works on a different
+wave.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from mesh.config import ModelConfig, SchedulerConfig
+from mesh.params import SamplingParams
+from orchestrator.pipeline import Pipeline, StationLink
+from orchestrator.scheduler import AdmissionError, KVLimits, Scheduler, WavePlan
+from orchestrator.stream import CompletionOutput, RequestStream, StreamEvent, TextTracker, TokenLogprob
+
+__all__ = ["AdmissionError", "Engine", "EngineStats"]
+_WAKE, _STOP = object(), object()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine: queues, waves, token counts and rates, KV, outcomes."""
+
+    running: int
+    waiting: int
+    waves_in_flight: int
+    waves: int
+    wave_occupancy_last: float
+    wave_occupancy_mean: float
+    wave_occupancy_max: float
+    prefill_tokens: int
+    decode_tokens: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    kv_bytes_used: int
+    kv_bytes_total: int
+    preemptions: int
+    refusals: dict[str, int] = field(default_factory=dict)
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Live:
+    stream: RequestStream
+    trackers: list[TextTracker]
+    seq_ids: list[int]
+    open: set[int]
+
+
+class Engine:
+    """Continuous batching over a chain of stations."""
+
+    def __init__(self, links: list[StationLink], model: ModelConfig, config: SchedulerConfig,
+                 tokenizer=None, rate_window_s: float = 10.0) -> None:
+        geometry = [link.kv() for link in links]
+        if len({g.block_tokens for g in geometry}) != 1:
+            raise ValueError(f"stations disagree on KV block size: {[g.block_tokens for g in geometry]}")
+        limits = KVLimits(model.max_position_embeddings, min(g.blocks_total for g in geometry), geometry[0].block_tokens)
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.scheduler = Scheduler(config, limits, model.eos_token_ids)
+        self.pipeline = Pipeline(links, self._on_wave_done)
+        self._lock = threading.Lock()
+        self._inbox: queue.Queue = queue.Queue()
+        self._live: dict[str, _Live] = {}
+        self._seq_owner: dict[int, tuple[str, int]] = {}
+        self._seq_ids = itertools.count()
+        self._in_flight = 0
+        self._rates: deque = deque()
+        self._rate_window = rate_window_s
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="wave-loop", daemon=True)
+        self._thread.start()
+
+    # ---- caller side -------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, n: int = 1,
+               request_id: str | None = None) -> RequestStream:
+        """Queue a request of `n` choices; raises AdmissionError (400 never fits / 503 queue full)."""
+        if self._closed:
+            raise AdmissionError("shutting_down", 503, "the engine is shutting down")
+        request_id = request_id or uuid.uuid4().hex
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        stream = RequestStream(request_id, n, loop)
+        with self._lock:
+            if request_id in self._live:
+                raise AdmissionError("invalid", 400, f"request_id {request_id!r} is already running", "request_id")
+            live = _Live(stream, [TextTracker(self.tokenizer, params.stop) for _ in range(n)], [], set())
+            try:
+                for i in range(n):
+                    seq_id = next(self._seq_ids)
+                    choice = params if n == 1 else replace(params, seed=(params.seed + i) % 2**63)
+                    self.scheduler.add(seq_id, request_id, tuple(prompt_ids), choice)
+                    live.seq_ids.append(seq_id)
+                    live.open.add(seq_id)
+                    self._seq_owner[seq_id] = (request_id, i)
+            except AdmissionError:
+                self._release(self.scheduler.cancel(request_id))
+                for s in live.seq_ids:
+                    self._seq_owner.pop(s, None)
+                raise
+            self._live[request_id] = live
+        self._inbox.put(_WAKE)
+        return stream
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int = 1,
+                 timeout: float | None = None) -> list[CompletionOutput]:
+        """Submit and wait: the blocking variant (do not call from inside an event loop)."""
+        return self.submit(prompt_ids, params, n).result(timeout)
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request in any state; its KV is freed within a wave. False if it is not live."""
+        with self._lock:
+            live = self._live.pop(request_id, None)
+            if live is None:
+                return False
+            self._release(self.scheduler.cancel(request_id))
+            for seq_id in sorted(live.open):
+                live.stream.push(StreamEvent(self._seq_owner.pop(seq_id)[1], finish_reason="cancelled"))
+        self._inbox.put(_WAKE)
+        return True
+
+    def stats(self) -> EngineStats:
+        """A consistent snapshot of counters, rates and KV occupancy."""
+        with self._lock:
+            s = self.scheduler.stats()
+            in_flight = self._in_flight
+            now = time.monotonic()
+            old = self._rates[0] if self._rates else (now, s.prefill_tokens, s.decode_tokens)
+        span = max(now - old[0], 1e-9)
+        kv = [link.kv() for link in self.pipeline.links]
+        return EngineStats(
+            running=s.running, waiting=s.waiting, waves_in_flight=in_flight, waves=s.waves,
+            wave_occupancy_last=s.last_wave_tokens / self.config.max_wave_tokens,
+            wave_occupancy_mean=s.mean_wave_occupancy, wave_occupancy_max=s.max_wave_occupancy,
+            prefill_tokens=s.prefill_tokens, decode_tokens=s.decode_tokens,
+            prefill_tokens_per_s=(s.prefill_tokens - old[1]) / span if self._rates else 0.0,
+            decode_tokens_per_s=(s.decode_tokens - old[2]) / span if self._rates else 0.0,
+            kv_bytes_used=sum(k.bytes_used for k in kv), kv_bytes_total=sum(k.bytes_total for k in kv),
+            preemptions=s.preemptions, refusals=dict(s.refusals), finished=dict(s.finished))
+
+    def quiesce(self, timeout: float = 30.0) -> bool:
+        """Wait until no wave is in flight and every queued release has reached the stations."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                idle = self._in_flight == 0
+            if idle:
+                return self.pipeline.barrier(max(0.0, deadline - time.monotonic()))
+            time.sleep(0.005)
+        return False
+
+    def close(self) -> None:
+        """Stop the wave loop and the station workers; live requests end as cancelled."""
+        self._closed = True
+        for request_id in list(self._live):
+            self.cancel(request_id)
+        self._inbox.put(_STOP)
+        self._thread.join(timeout=30)
+        self.pipeline.close()
+
+    # ---- wave loop ---------------------------------------------------------------------------
+    def _on_wave_done(self, plan: WavePlan, samples, error: BaseException | None) -> None:
+        self._inbox.put((plan, samples, error))
+
+    def _run(self) -> None:
+        while (item := self._inbox.get()) is not _STOP:
+            with self._lock:
+                if item is not _WAKE:
+                    self._in_flight -= 1
+                    self._finish_wave(*item)
+                self._fill()
+
+    def _fill(self) -> None:
+        depth = self.pipeline.depth
+        while self._in_flight < depth:
+            cap = None
+            if depth > 1:
+                s = self.scheduler.stats()
+                cap = max(1, math.ceil(min(s.running + s.waiting, self.config.max_seqs) / depth))
+            plan = self.scheduler.plan(max_entries=cap)
+            self._release(self.scheduler.take_releases())
+            if plan is None:
+                return
+            self._in_flight += 1
+            self.pipeline.submit(plan)
+
+    def _finish_wave(self, plan: WavePlan, samples, error: BaseException | None) -> None:
+        if error is not None:
+            self.scheduler.abort_wave(plan)
+            self._release(self.scheduler.take_releases())
+            for e in plan.entries:
+                self._end(e.seq_id, "error", f"station failed: {error}")
+            return
+        result = self.scheduler.commit(plan, samples)
+        self._release(result.released)
+        s = self.scheduler.stats()
+        now = time.monotonic()
+        self._rates.append((now, s.prefill_tokens, s.decode_tokens))
+        while self._rates and now - self._rates[0][0] > self._rate_window:
+            self._rates.popleft()
+        for ev in result.events:
+            owner = self._seq_owner.get(ev.seq_id)
+            if owner is None:
+                continue
+            live, index = self._live[owner[0]], owner[1]
+            text, stopped = live.trackers[index].add(ev.token_id)
+            reason = "stop" if stopped else ev.finish_reason
+            if reason is not None and not stopped:
+                text += live.trackers[index].flush()
+            lp = (TokenLogprob(ev.token_id, ev.logprob, tuple(ev.top_logprobs)),) if ev.logprob is not None else ()
+            live.stream.push(StreamEvent(index, (ev.token_id,), text, lp, reason))
+            if reason is not None:
+                if ev.finish_reason is None:
+                    self._release(self.scheduler.finish(ev.seq_id, reason))
+                self._forget(ev.seq_id)
+
+    def _end(self, seq_id: int, reason: str, error: str | None = None) -> None:
+        owner = self._seq_owner.get(seq_id)
+        if owner is None:
+            return
+        self._release(self.scheduler.finish(seq_id, reason))
+        self._live[owner[0]].stream.push(StreamEvent(owner[1], finish_reason=reason, error=error))
+        self._forget(seq_id)
+
+    def _forget(self, seq_id: int) -> None:
+        request_id, _ = self._seq_owner.pop(seq_id)
+        live = self._live[request_id]
+        live.open.discard(seq_id)
+        if not live.open:
+            del self._live[request_id]
+
+    def _release(self, seq_ids) -> None:
+        if seq_ids:
+            self.pipeline.release(tuple(seq_ids))

@@ -1,0 +1,146 @@
+"""What a caller holds for a submitted request: a stream of events, blocking or async.
+
+The engine thread pushes StreamEvents; the caller iterates them (sync or async)
+or waits for the final CompletionOutputs. Text is detokenized incrementally,
+holding back what could still become a stop string or an incomplete character.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The logprob of a sampled token and the top alternatives (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    """New output of one choice: tokens and text since the last event; finish_reason on the last one."""
+
+    index: int
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None  # stop | length | cancelled | error
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """Everything one choice produced."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class TextTracker:
+    """Incremental detokenization of one choice, with stop-string matching."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.sent = 0  # characters of text already handed out
+        self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Take one token; returns (text safe to send now, whether a stop string matched)."""
+        self.ids.append(token_id)
+        text = self._text()
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            end = min(hits)
+            delta, self.sent = text[self.sent:end], max(self.sent, end)
+            return delta, True
+        safe = len(text.rstrip("\ufffd")) - self.hold
+        if safe <= self.sent:
+            return "", False
+        delta, self.sent = text[self.sent:safe], safe
+        return delta, False
+
+    def flush(self) -> str:
+        """The text held back, at the end of a choice that did not stop on a string."""
+        text = self._text()
+        delta, self.sent = text[self.sent:], len(text)
+        return delta
+
+
+class RequestStream:
+    """Events of one request (all its choices), for a blocking or an asyncio consumer."""
+
+    def __init__(self, request_id: str, n: int, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.request_id, self.n = request_id, n
+        self.outputs = [CompletionOutput(i) for i in range(n)]
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self._loop = loop
+        self._sync: queue.Queue = queue.Queue()
+        self._async: asyncio.Queue | None = asyncio.Queue() if loop else None
+        self._open = n
+
+    def push(self, ev: StreamEvent) -> None:
+        """Engine side: record and deliver one event (thread-safe)."""
+        out = self.outputs[ev.index]
+        out.token_ids.extend(ev.token_ids)
+        out.text += ev.text
+        out.logprobs.extend(ev.logprobs)
+        if ev.token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        if ev.finish_reason is not None:
+            out.finish_reason, out.error = ev.finish_reason, ev.error
+            self._open -= 1
+            if self._open == 0:
+                self.finished_at = time.monotonic()
+        if self._async is not None:
+            self._loop.call_soon_threadsafe(self._async.put_nowait, ev)
+        else:
+            self._sync.put(ev)
+
+    @property
+    def done(self) -> bool:
+        """True once every choice has finished."""
+        return self._open == 0
+
+    def __iter__(self):
+        """Blocking iteration over events until every choice finishes."""
+        left = self.n
+        while left:
+            ev = self._sync.get()
+            left -= ev.finish_reason is not None
+            yield ev
+
+    async def __aiter__(self):
+        """Async iteration over events until every choice finishes."""
+        left = self.n
+        while left:
+            ev = await self._async.get()
+            left -= ev.finish_reason is not None
+            yield ev
+
+    def result(self, timeout: float | None = None) -> list[CompletionOutput]:
+        """Block until every choice finishes (for a blocking consumer); returns their outputs."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done:  # push() updates outputs before it queues, so `done` is final once seen
+            self._sync.get(timeout=None if deadline is None else max(0.001, deadline - time.monotonic()))
+        return self.outputs
+
+    async def result_async(self) -> list[CompletionOutput]:
+        """Await every choice's end (for an asyncio consumer); returns their outputs."""
+        while not self.done:
+            await self._async.get()
+        return self.outputs
