@@ -14,93 +14,16 @@ Where a sequence's station KV must be released:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from mesh.config import SchedulerConfig
 from mesh.params import SamplingParams
 from mesh.wave import SampledToken, WaveEntry
+from orchestrator.plan import (REFUSAL_REASONS, AdmissionError, CommitResult, KVLimits, SchedulerStats,
+                               TokenEvent, WavePlan)
 from orchestrator.sequence import KVBlockLedger, Request, Sequence, SequenceStatus, SequenceTable, WaitingQueue
 
-REFUSAL_REASONS = ("never_fits", "queue_full", "invalid")
-
-
-class AdmissionError(Exception):
-    """A request is refused: `reason` (never_fits | queue_full | invalid), HTTP `status`, `param`."""
-
-    def __init__(self, reason: str, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.status = status
-        self.message = message
-        self.param = param
-
-
-@dataclass(frozen=True, slots=True)
-class KVLimits:
-    """What the stations can hold: context length and the smallest station's paged KV."""
-
-    max_context: int  # most tokens (prompt + output) one sequence may reach
-    kv_blocks: int  # KV blocks the smallest station holds
-    block_tokens: int  # tokens per KV block
-
-    def __post_init__(self) -> None:
-        for name in ("max_context", "kv_blocks", "block_tokens"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
-                raise ValueError(f"KVLimits.{name} must be a positive integer, got {v!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class WavePlan:
-    """One wave: its entries and their token ids concatenated in entry order."""
-
-    entries: tuple[WaveEntry, ...]
-    token_ids: tuple[int, ...]
-    wave_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """One newly generated token of a sequence (finish_reason set on its last)."""
-
-    seq_id: int
-    request_id: str
-    token_id: int
-    logprob: float | None
-    top_logprobs: tuple
-    finish_reason: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class CommitResult:
-    """What a commit produced: tokens to stream, sequences finished, station KV to release."""
-
-    events: tuple[TokenEvent, ...]
-    finished: tuple[int, ...]  # seq ids that finished (stop / length) at this commit
-    released: tuple[int, ...]  # seq ids whose station KV must be released now
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    """Counters and gauges of the scheduler; wave figures count committed waves."""
-
-    running: int
-    waiting: int
-    in_flight_waves: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    preemptions: int
-    prefill_tokens: int  # committed rows of prompt / recompute chunks
-    decode_tokens: int  # committed rows of decode steps
-    waves: int
-    last_wave_tokens: int
-    mean_wave_occupancy: float  # rows / max_wave_tokens, averaged over waves
-    max_wave_occupancy: float
-    refusals: dict[str, int]
-    finished: dict[str, int]  # by finish reason (stop, length, cancelled, engine reasons)
-    last_wave_entries: int = 0
-    mean_wave_entries: float = 0.0
-    max_wave_entries: int = 0
+__all__ = ["REFUSAL_REASONS", "AdmissionError", "CommitResult", "KVLimits", "Scheduler", "SchedulerStats",
+           "TokenEvent", "WavePlan"]
 
 
 class Scheduler:
