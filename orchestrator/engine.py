@@ -63,12 +63,8 @@ class Engine:
 
     def __init__(self, links: list[StationLink], model: ModelConfig, config: SchedulerConfig,
                  tokenizer=None, rate_window_s: float = 10.0) -> None:
-        geometry = [link.kv() for link in links]
-        if len({g.block_tokens for g in geometry}) != 1:
-            raise ValueError(f"stations disagree on KV block size: {[g.block_tokens for g in geometry]}")
-        limits = KVLimits(model.max_position_embeddings, min(g.blocks_total for g in geometry), geometry[0].block_tokens)
         self.model, self.config, self.tokenizer = model, config, tokenizer
-        self.scheduler = Scheduler(config, limits, model.eos_token_ids)
+        self.scheduler = Scheduler(config, self._limits(links), model.eos_token_ids)
         self.pipeline = Pipeline(links, self._on_wave_done)
         self._lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
@@ -78,9 +74,16 @@ class Engine:
         self._in_flight = 0
         self._rates: deque = deque()
         self._rate_window = rate_window_s
-        self._closed = False
+        self._closed = self._paused = False
         self._thread = threading.Thread(target=self._run, name="wave-loop", daemon=True)
         self._thread.start()
+
+    def _limits(self, links: list[StationLink]) -> KVLimits:
+        geometry = [link.kv() for link in links]
+        if len({g.block_tokens for g in geometry}) != 1:
+            raise ValueError(f"stations disagree on KV block size: {[g.block_tokens for g in geometry]}")
+        blocks = min(g.blocks_total for g in geometry)
+        return KVLimits(self.model.max_position_embeddings, blocks, geometry[0].block_tokens)
 
     # ---- caller side -------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, n: int = 1,
@@ -151,6 +154,33 @@ class Engine:
             kv_bytes_used=sum(k.bytes_used for k in kv), kv_bytes_total=sum(k.bytes_total for k in kv),
             preemptions=s.preemptions, refusals=dict(s.refusals), finished=dict(s.finished))
 
+    def switch_route(self, links: list[StationLink], timeout: float = 120.0) -> None:
+        """Move serving onto a new chain of stations between waves. Waves in flight finish on the old
+        route; then every live sequence is re-prefilled on the new one (counter-based sampling keeps
+        its tokens unchanged) and the old stations release their KV. Streams only pause."""
+        limits = self._limits(links)
+        with self._lock:
+            self._paused = True
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                with self._lock:
+                    if self._in_flight == 0:
+                        break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waves still in flight after {timeout}s; route not switched")
+                time.sleep(0.002)
+            with self._lock:
+                old = self.pipeline
+                old.release(self.scheduler.rebase(limits))
+                old.barrier()
+                old.close()
+                self.pipeline = Pipeline(links, self._on_wave_done)
+        finally:
+            with self._lock:
+                self._paused = False
+            self._inbox.put(_WAKE)
+
     def quiesce(self, timeout: float = 30.0) -> bool:
         """Wait until no wave is in flight and every queued release has reached the stations."""
         deadline = time.monotonic() + timeout
@@ -185,7 +215,7 @@ class Engine:
 
     def _fill(self) -> None:
         depth = self.pipeline.depth
-        while self._in_flight < depth:
+        while self._in_flight < depth and not self._paused:
             cap = None
             if depth > 1:
                 s = self.scheduler.stats()

@@ -154,15 +154,30 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Drop `seq`'s KV and put it at the front of the waiting queue to be recomputed."""
+        self._requeue(seq)
+        seq.preemptions += 1
+        self._preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
         self._ledger.release(seq)
         self._seqs.stop_running(seq)
         seq.num_computed = 0
         seq.status = SequenceStatus.WAITING
-        seq.preemptions += 1
         seq.skips = 0
         self._waiting.push_front(seq)
         self._pending_releases.append(seq.seq_id)
-        self._preemptions += 1
+
+    def rebase(self, limits: KVLimits) -> tuple[int, ...]:
+        """Move to a new route with new KV limits (no wave may be in flight): every running sequence
+        goes back to the front of the queue, keeping its output, to be re-prefilled on the new route.
+        Returns the seq ids whose KV the old stations must release."""
+        if self._in_flight:
+            raise RuntimeError(f"rebase with {len(self._in_flight)} waves in flight")
+        for seq in reversed(list(self._seqs.running)):  # newest first, so the oldest ends at the front
+            self._requeue(seq)
+        self.limits = limits
+        self._ledger = KVBlockLedger(limits.kv_blocks, limits.block_tokens)
+        return self.take_releases()
 
     def take_releases(self) -> tuple[int, ...]:
         """Seq ids whose station KV must be released before the next wave is sent (preemptions in

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from tokenizers import Tokenizer
@@ -206,5 +207,28 @@ def test_submit_from_many_threads(tiny_llama, reference):
         for t in threads:
             t.join(timeout=120)
         assert got == reference
+    finally:
+        engine.close()
+
+
+def test_switch_route_mid_stream_keeps_tokens(tiny_llama):
+    """Grow 1 -> 3 stations and back to 1 while requests stream: every token equals the reference."""
+    prompts, _ = _jobs(8)
+    params = [SamplingParams(max_tokens=120, ignore_eos=True, temperature=0.8 * (i % 2), seed=i) for i in range(8)]
+    one = Station(tiny_llama, StationSpec(layers=(0, 6)))
+    reference = [generate_one(one, p, sp)[0] for p, sp in zip(prompts, params)]
+    engine = _engine(tiny_llama, max_seqs=16, max_wave_tokens=64)
+    try:
+        routes = [[LocalLink(Station(tiny_llama, StationSpec(layers=r))) for r in ranges]  # loaded beside
+                  for ranges in (((0, 1), (1, 4), (4, 6)), ((0, 6),))]
+        streams = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        for step, links in enumerate(routes):
+            deadline = time.monotonic() + 60
+            while engine.stats().decode_tokens < 100 * (step + 1) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert not any(s.done for s in streams), [(o.finish_reason, o.error, len(o.token_ids)) for s in streams for o in s.outputs]
+            engine.switch_route(links)
+        assert [s.result(timeout=120)[0].token_ids for s in streams] == reference
+        _assert_empty(engine)
     finally:
         engine.close()

@@ -1,0 +1,113 @@
+"""The Ray actor of one station (thin): loads the Station, owns its gRPC server, reports where it listens.
+
+Waves never pass through Ray: the orchestrator reads `address()` and talks gRPC.
+Ray places the actor (num_cpus / num_gpus of the StationSpec) and restarts it when
+its process dies; a restarted actor reloads the weights, starts with an empty KV
+and listens on a NEW port, so callers re-read `address()` after a failure.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+from mesh.config import StationSpec
+from station.kv import DEFAULT_BLOCK_TOKENS
+from station.server import ServerLimits, info_reply, start_server
+from station.step import Station
+
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def spec_from(spec: StationSpec | Mapping[str, Any]) -> StationSpec:
+    """A StationSpec from itself or from its dict (layers as a list or tuple)."""
+    if isinstance(spec, StationSpec):
+        return spec
+    d = dict(spec)
+    if "layers" in d:
+        d["layers"] = tuple(d["layers"])
+    return StationSpec(**d)
+
+
+class StationActor:
+    """One station inside a Ray actor: the Station, its gRPC server, and where it listens."""
+
+    def __init__(self, model_dir: str, spec: StationSpec | Mapping[str, Any], host: str = "127.0.0.1",
+                 block_tokens: int = DEFAULT_BLOCK_TOKENS, limits: ServerLimits | None = None) -> None:
+        self.station = Station(model_dir, spec_from(spec), block_tokens)
+        self.server = start_server(self.station, host=host, port=0, limits=limits or ServerLimits())
+        advertised = ray.util.get_node_ip_address() if host in _WILDCARD_HOSTS else host
+        self._address = f"[{advertised}]:{self.server.port}" if ":" in advertised else f"{advertised}:{self.server.port}"
+
+    def address(self) -> str:
+        """The "host:port" the station's gRPC service listens on (new after every restart)."""
+        return self._address
+
+    def ready(self) -> bool:
+        """True once the weights are loaded and the server runs (the constructor has returned)."""
+        return True
+
+    def pid(self) -> int:
+        """The actor's process id (tests kill it to exercise restarts)."""
+        return os.getpid()
+
+    def info(self) -> dict[str, Any]:
+        """The station's Info as a plain dict, plus its address and pid."""
+        reply = info_reply(self.station)
+        d = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
+        d.update(address=self._address, pid=os.getpid())
+        return d
+
+    def shutdown(self, grace: float = 1.0) -> None:
+        """Stop the gRPC server (health goes NOT_SERVING first); the actor process stays until killed."""
+        self.server.stop(grace)
+
+
+def launch_station(model_dir: str | Path, spec: StationSpec, *, name: str | None = None, max_restarts: int = 3,
+                   host: str = "127.0.0.1", block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                   limits: ServerLimits | None = None, timeout_s: float = 300.0) -> tuple[Any, str]:
+    """Start a StationActor with the spec's Ray resources; returns (actor handle, gRPC address) once it serves.
+
+    Call tasks are never retried by Ray (max_task_retries=0): a wave lost with a dead station is
+    replayed by the orchestrator, which knows what the KV held.
+    """
+    remote_cls = ray.remote(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=max_restarts,
+                            max_task_retries=0)(StationActor)
+    if name is not None:
+        remote_cls = remote_cls.options(name=name)
+    handle = remote_cls.remote(str(model_dir), dataclasses.asdict(spec), host, block_tokens, limits)
+    return handle, station_address(handle, timeout_s)
+
+
+def station_address(handle: Any, timeout_s: float = 300.0, poll_s: float = 0.2) -> str:
+    """The station's current gRPC address, waiting while Ray (re)starts the actor.
+
+    With max_task_retries=0 a call to a restarting actor fails at once with ActorUnavailableError;
+    this retries those until `timeout_s`. A dead actor (no restarts left) raises ActorDiedError,
+    and a station that does not answer in time raises GetTimeoutError.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise GetTimeoutError(f"station actor gave no address within {timeout_s}s")
+        try:
+            return ray.get(handle.address.remote(), timeout=left)
+        except ActorUnavailableError:
+            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
+def stop_station(handle: Any, grace: float = 1.0, timeout_s: float = 30.0) -> None:
+    """Stop a station's server, then end its actor for good (no restart)."""
+    try:
+        ray.get(handle.shutdown.remote(grace), timeout=timeout_s)
+    except (RayActorError, GetTimeoutError):
+        pass  # dead, restarting or stuck: the kill below ends it all the same
+    finally:
+        ray.kill(handle, no_restart=True)

@@ -1,0 +1,196 @@
+"""The gRPC servicer of one station (thin): decode a request, run the step, encode the reply.
+
+All validation lives in `mesh.wire` (message shape, dtypes, limits) and in
+`Station.forward` (positions, KV); this file only maps their errors to status codes:
+
+    WireError, StepError -> INVALID_ARGUMENT     KVBudgetError -> RESOURCE_EXHAUSTED
+    station busy         -> RESOURCE_EXHAUSTED   anything else -> INTERNAL (logged)
+
+and the server keeps serving after each. A station's KV is not thread-safe, so
+Forward and Release hold one lock; the server still runs a thread pool so that
+Info and the standard gRPC health service answer while a long forward runs. At
+most `max_pending` lock-taking calls wait at once, which keeps workers free for
+health checks whatever a client sends.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from mesh.config import DTYPE_BYTES, ConfigError
+from mesh.proto import station_pb2 as pb
+from mesh.proto import station_pb2_grpc
+from mesh.wire import WireError, decode_forward, samples_to_proto, tensor_to_proto
+from station.kv import KVBudgetError
+from station.step import Station, StepError
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Station"].full_name  # "wavemesh.v1.Station"
+GRPC_MAX_MESSAGE = 2**31 - 1  # gRPC counts message lengths in a signed int32
+_R = TypeVar("_R")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What one station server accepts: wave size, worker threads, waiting calls, message bytes."""
+
+    max_entries: int = 256  # entries (sequences) in one wave
+    max_rows: int = 8192  # rows (sum of n_tokens) in one wave
+    max_workers: int = 8  # gRPC worker threads
+    max_pending: int = 4  # Forward/Release calls holding or waiting for the station at once
+    headroom_bytes: int = 1 << 20  # added to the largest payload for framing and metadata
+
+    def __post_init__(self) -> None:
+        for name in ("max_entries", "max_rows", "max_workers", "max_pending"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+                raise ConfigError(f"server.{name} must be a positive integer, got {v!r}")
+        if self.max_pending >= self.max_workers:
+            raise ConfigError(f"server.max_pending ({self.max_pending}) must be below max_workers "
+                              f"({self.max_workers}) so health and Info always find a free worker")
+        if not (isinstance(self.headroom_bytes, int) and self.headroom_bytes >= 0):
+            raise ConfigError(f"server.headroom_bytes must be >= 0, got {self.headroom_bytes!r}")
+
+    def message_bytes(self, hidden_size: int) -> int:
+        """Largest message either way: a full wave of float32 hidden rows, token ids, entries and samples."""
+        hidden = self.max_rows * hidden_size * DTYPE_BYTES["float32"]
+        ids = self.max_rows * 10  # a varint int32 takes at most 10 bytes
+        per_entry = self.max_entries * 512  # an entry, or a sample with up to 20 top logprobs
+        return min(GRPC_MAX_MESSAGE, hidden + ids + per_entry + self.headroom_bytes)
+
+
+class StationBusy(RuntimeError):
+    """Too many calls already hold or wait for the station."""
+
+
+class StationServicer(station_pb2_grpc.StationServicer):
+    """Forward / Release / Info over one Station; error classes map to status codes."""
+
+    def __init__(self, station: Station, limits: ServerLimits, metrics_address: str = "") -> None:
+        self.station = station
+        self.limits = limits
+        self.metrics_address = metrics_address
+        self._lock = threading.Lock()  # one station call at a time: the KV is not thread-safe
+        self._pending = threading.BoundedSemaphore(limits.max_pending)
+
+    def _exclusive(self, fn: Callable[[], _R]) -> _R:
+        """Run fn holding the station lock; refuse with StationBusy when max_pending calls already wait."""
+        if not self._pending.acquire(blocking=False):
+            raise StationBusy(f"station busy: {self.limits.max_pending} calls already hold or wait for it")
+        try:
+            with self._lock:
+                return fn()
+        finally:
+            self._pending.release()
+
+    def _guarded(self, context: grpc.ServicerContext, method: str, fn: Callable[[], _R]) -> _R:
+        """Run fn; map a failure to its status code and abort the call (the server goes on)."""
+        try:
+            return fn()
+        except (WireError, StepError) as err:
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(err)
+        except (KVBudgetError, StationBusy) as err:
+            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
+        except Exception as err:  # a bug must cost one call, not the server
+            log.exception("%s failed unexpectedly", method)
+            code, message = grpc.StatusCode.INTERNAL, f"{method}: {type(err).__name__}: {err}"
+        context.abort(code, message)  # raises
+        raise AssertionError("unreachable")
+
+    def Forward(self, request: pb.ForwardRequest, context: grpc.ServicerContext) -> pb.ForwardReply:
+        """One batched step over the wave in `request`."""
+
+        def run() -> pb.ForwardReply:
+            st = self.station
+            _, entries, token_ids, hidden = decode_forward(
+                request, hidden_size=st.config.hidden_size, dtype=st.spec.dtype, vocab_size=st.config.vocab_size,
+                max_entries=self.limits.max_entries, max_rows=self.limits.max_rows)
+            out = self._exclusive(lambda: st.forward(entries, token_ids=token_ids, hidden=hidden))
+            if out.hidden is not None:
+                return pb.ForwardReply(hidden=tensor_to_proto(out.hidden), forward_seconds=out.seconds)
+            return pb.ForwardReply(samples=samples_to_proto(out.samples or []), forward_seconds=out.seconds)
+
+        return self._guarded(context, "Forward", run)
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
+        """Free the KV of the listed sequences; replies with how many were resident."""
+        seq_ids = list(request.seq_ids)
+        return self._guarded(context, "Release",
+                             lambda: pb.ReleaseReply(released=self._exclusive(lambda: self.station.release(seq_ids))))
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
+        """What the station holds and how full its KV is (lock-free: answers during a forward)."""
+        return self._guarded(context, "Info", lambda: info_reply(self.station, self.metrics_address))
+
+
+def info_reply(station: Station, metrics_address: str = "") -> pb.InfoReply:
+    """The InfoReply of a station: layer range, shape, dtype and KV occupancy."""
+    stats, cfg, spec = station.stats(), station.config, station.spec
+    return pb.InfoReply(
+        model=station.model_dir.name, layer_start=spec.start, layer_end=spec.end,
+        num_layers=cfg.num_hidden_layers, device=spec.device, dtype=spec.dtype,
+        kv_bytes_used=stats.kv.bytes_used, kv_bytes_total=stats.kv.bytes_total, sequences=stats.kv.sequences,
+        block_tokens=stats.kv.block_tokens, kv_blocks_total=stats.kv.blocks_total,
+        kv_blocks_used=stats.kv.blocks_used, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+        metrics_address=metrics_address)
+
+
+class StationServer:
+    """A running gRPC server over one station: its address, and how to stop it."""
+
+    def __init__(self, server: grpc.Server, health_servicer: health.HealthServicer, servicer: StationServicer,
+                 host: str, port: int) -> None:
+        self._server = server
+        self._health = health_servicer
+        self.servicer = servicer
+        self.host, self.port = host, port
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Report NOT_SERVING, finish in-flight calls for up to `grace` seconds, then stop."""
+        self._health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server stops (True) or `timeout` passes (False)."""
+        return self._server.wait_for_termination(timeout)
+
+    def __enter__(self) -> "StationServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(grace=0)
+
+
+def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limits: ServerLimits = ServerLimits(),
+                 metrics_address: str = "") -> StationServer:
+    """Serve `station` on host:port (0 = a free port); health is SERVING once this returns."""
+    size = limits.message_bytes(station.config.hidden_size)
+    options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+               ("grpc.so_reuseport", 0)]  # a port taken by another process is an error, not shared
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.max_workers,
+                                                    thread_name_prefix="station-grpc"), options=options)
+    servicer = StationServicer(station, limits, metrics_address)
+    station_pb2_grpc.add_StationServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(bind)
+    except RuntimeError as err:
+        raise OSError(f"station server: cannot bind {bind}: {err}") from err
+    if bound == 0:
+        raise OSError(f"station server: cannot bind {bind}")
+    server.start()
+    for service in ("", SERVICE_NAME):  # the model is loaded: the Station exists
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    log.info("station [%d, %d) serving on %s:%d", station.spec.start, station.spec.end, host, bound)
+    return StationServer(server, health_servicer, servicer, host, bound)
