@@ -77,6 +77,11 @@ class LocalLink:
         s = self.station.kv.stats()
         return LinkKV(s.blocks_total, s.block_tokens, s.bytes_used, s.bytes_total)
 
+    def describe(self) -> dict:
+        """Layer range, device and dtype, for status pages."""
+        spec = self.station.spec
+        return {"layers": list(spec.layers), "device": spec.device, "dtype": spec.dtype, "address": "in-process"}
+
 
 WaveDone = Callable[[object, "list[SampledToken | None] | None", "BaseException | None"], None]
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from mesh.config import StationSpec
@@ -40,7 +41,9 @@ class StationActor:
 
     def __init__(self, model_dir: str, spec: StationSpec | Mapping[str, Any], host: str = "127.0.0.1",
                  block_tokens: int = DEFAULT_BLOCK_TOKENS, limits: ServerLimits | None = None) -> None:
-        self.station = Station(model_dir, spec_from(spec), block_tokens)
+        spec = spec_from(spec)
+        torch.set_num_threads(max(1, int(spec.num_cpus)))  # Ray pins OMP threads to num_cpus; say so explicitly
+        self.station = Station(model_dir, spec, block_tokens)
         self.server = start_server(self.station, host=host, port=0, limits=limits or ServerLimits())
         advertised = ray.util.get_node_ip_address() if host in _WILDCARD_HOSTS else host
         self._address = f"[{advertised}]:{self.server.port}" if ":" in advertised else f"{advertised}:{self.server.port}"
@@ -69,10 +72,10 @@ class StationActor:
         self.server.stop(grace)
 
 
-def launch_station(model_dir: str | Path, spec: StationSpec, *, name: str | None = None, max_restarts: int = 3,
+def create_station(model_dir: str | Path, spec: StationSpec, *, name: str | None = None, max_restarts: int = 3,
                    host: str = "127.0.0.1", block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                   limits: ServerLimits | None = None, timeout_s: float = 300.0) -> tuple[Any, str]:
-    """Start a StationActor with the spec's Ray resources; returns (actor handle, gRPC address) once it serves.
+                   limits: ServerLimits | None = None) -> Any:
+    """Start a StationActor with the spec's Ray resources and return its handle at once (it loads meanwhile).
 
     Call tasks are never retried by Ray (max_task_retries=0): a wave lost with a dead station is
     replayed by the orchestrator, which knows what the KV held.
@@ -81,7 +84,15 @@ def launch_station(model_dir: str | Path, spec: StationSpec, *, name: str | None
                             max_task_retries=0)(StationActor)
     if name is not None:
         remote_cls = remote_cls.options(name=name)
-    handle = remote_cls.remote(str(model_dir), dataclasses.asdict(spec), host, block_tokens, limits)
+    return remote_cls.remote(str(model_dir), dataclasses.asdict(spec), host, block_tokens, limits)
+
+
+def launch_station(model_dir: str | Path, spec: StationSpec, *, name: str | None = None, max_restarts: int = 3,
+                   host: str = "127.0.0.1", block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                   limits: ServerLimits | None = None, timeout_s: float = 300.0) -> tuple[Any, str]:
+    """Start a StationActor and wait until it serves; returns (actor handle, gRPC address)."""
+    handle = create_station(model_dir, spec, name=name, max_restarts=max_restarts, host=host,
+                            block_tokens=block_tokens, limits=limits)
     return handle, station_address(handle, timeout_s)
 
 

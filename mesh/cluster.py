@@ -1,0 +1,432 @@
+"""The cluster YAML that `mesh up CONFIG.yaml` reads, as one frozen MeshConfig.
+
+`load_mesh_config` refuses every mistake with a ConfigError whose message starts
+`"{file}: {key.path}: "`; the dataclasses validate themselves as in mesh/config.py.
+Layer coverage needs the model's layer count, so `MeshConfig.resolve(model)` checks
+explicit stations against it (or plans `count` stations, memory-aware). No torch at
+import; presets import mesh.model.synthetic (torch) when their shape is needed.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mesh.config import (DTYPE_BYTES, SUPPORTED_ARCHS, SUPPORTED_DTYPES, ApiConfig, ConfigError, ModelConfig,
+                         SchedulerConfig, StationSpec, _require)
+
+DEFAULT_KV_BYTES = 256 * 2**20
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _presets() -> tuple[str, ...]:
+    from mesh.model.synthetic import PRESETS  # imports torch: only when a preset is named
+
+    return tuple(PRESETS)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where the model comes from: a checkpoint directory, or a synthetic preset (exactly one)."""
+
+    path: str | None = None  # a Hugging Face checkpoint directory (config.json + safetensors)
+    preset: str | None = None  # tiny | small | bench: the embedded synthetic model
+    arch: str = "llama"  # architecture of a preset (a checkpoint's config.json names its own)
+
+    def __post_init__(self) -> None:
+        _require((self.path is None) != (self.preset is None),
+                 "model: give exactly one of path or preset, got " + ("both" if self.path else "neither"))
+        _require(self.path is None or (isinstance(self.path, str) and self.path != ""), "model.path: empty")
+        if self.preset is not None:  # listing the presets imports torch: only for a preset
+            presets = _presets()
+            _require(self.preset in presets, f"model.preset: unknown {self.preset!r}; choose from {', '.join(presets)}")
+        _require(self.arch in SUPPORTED_ARCHS,
+                 f"model.arch: unknown {self.arch!r}; choose from {', '.join(SUPPORTED_ARCHS)}")
+
+    def model_config(self) -> ModelConfig:
+        """The model's shape: the preset's, or read from the checkpoint's config.json."""
+        if self.preset is not None:
+            from mesh.model.synthetic import preset_config
+
+            return preset_config(self.preset, self.arch)
+        p = Path(self.path)
+        _require(p.is_dir(), f"model.path: {self.path} does not exist" if not p.exists()
+                 else f"model.path: {self.path} is not a directory")
+        _require((p / "config.json").is_file(),
+                 f"model.path: {self.path} has no config.json (is this a Hugging Face checkpoint directory?)")
+        try:
+            return ModelConfig.from_dir(p)
+        except ConfigError as e:
+            raise ConfigError(f"model.path: {e}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class RayConfig:
+    """Which Ray cluster to join."""
+
+    address: str | None = None  # None: start a local Ray; "auto": join the running cluster; or "ray://host:10001"
+    namespace: str = "wavemesh"  # Ray namespace of the named station actors
+
+    def __post_init__(self) -> None:
+        _require(self.address is None or (isinstance(self.address, str) and self.address != ""),
+                 f"ray.address: expected a non-empty string or null, got {self.address!r}")
+        _require(isinstance(self.namespace, str) and self.namespace != "", "ray.namespace: must be a non-empty string")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """How the orchestrator and the stations talk to each other."""
+
+    token: str | None = None  # shared secret every station call carries (None: no auth)
+    station_host: str = "127.0.0.1"  # interface station gRPC servers bind (0.0.0.0 across nodes)
+    call_timeout_s: float = 30.0  # deadline of one station call
+    shutdown_timeout_s: float = 30.0  # grace for in-flight work on `mesh down`
+    targets_file: str | None = None  # Prometheus file_sd targets written here (None: not written)
+
+    def __post_init__(self) -> None:
+        _require(_is_num(self.call_timeout_s) and self.call_timeout_s > 0,
+                 f"cluster.call_timeout_s: must be a number > 0, got {self.call_timeout_s!r}")
+        _require(_is_num(self.shutdown_timeout_s) and self.shutdown_timeout_s >= 0,
+                 f"cluster.shutdown_timeout_s: must be a number >= 0, got {self.shutdown_timeout_s!r}")
+        _require(isinstance(self.station_host, str) and self.station_host != "", "cluster.station_host: empty")
+        for name in ("token", "targets_file"):
+            v = getattr(self, name)
+            _require(v is None or (isinstance(v, str) and v != ""),
+                     f"cluster.{name}: expected a non-empty string or null")
+
+
+@dataclass(frozen=True, slots=True)
+class MeshConfig:
+    """One whole cluster: Ray, model, stations (explicit ranges or a count), scheduler, API."""
+
+    ray: RayConfig = field(default_factory=RayConfig)
+    model: ModelSource = field(default_factory=lambda: ModelSource(preset="tiny"))
+    dtype: str = "float32"  # default dtype of every station
+    device: str = "cpu"  # default device of every station
+    kv_bytes: int = DEFAULT_KV_BYTES  # default KV budget of every station
+    stations: tuple[StationSpec, ...] | None = None  # explicit layer ranges (in YAML order) ...
+    station_count: int | None = None  # ... or this many stations planned from the model
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in SUPPORTED_DTYPES,
+                 f"dtype: expected one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        _require(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+                 f"device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _require(_is_int(self.kv_bytes) and self.kv_bytes > 0, f"kv_bytes: must be > 0, got {self.kv_bytes!r}")
+        _require((self.stations is None) != (self.station_count is None),
+                 "stations: give exactly one of explicit ranges or a count")
+        if self.station_count is not None:
+            _require(_is_int(self.station_count) and self.station_count >= 1,
+                     f"stations.count: expected a positive integer, got {self.station_count!r}")
+            return
+        _require(isinstance(self.stations, tuple) and len(self.stations) > 0
+                 and all(isinstance(s, StationSpec) for s in self.stations), "stations: expected at least one station")
+        order = sorted(range(len(self.stations)), key=lambda i: self.stations[i].start)
+        for a, b in itertools.pairwise(order):
+            sa, sb = self.stations[a], self.stations[b]
+            _require(sb.start >= sa.end, f"stations: stations[{a}] layers {list(sa.layers)} and stations[{b}] "
+                     f"layers {list(sb.layers)} overlap (layers {sb.start}..{min(sa.end, sb.end) - 1})")
+
+    def station_defaults(self) -> dict[str, Any]:
+        """The StationSpec fields every station inherits unless it says otherwise."""
+        return {"device": self.device, "dtype": self.dtype, "kv_bytes": self.kv_bytes,
+                "num_gpus": 1.0 if self.device.startswith("cuda") else 0.0, "num_cpus": 1.0}
+
+    def resolve(self, model: ModelConfig | int) -> tuple[StationSpec, ...]:
+        """The stations for a model of `model` layers (or this ModelConfig), sorted by start.
+
+        Explicit ranges must chain exactly 0..L; a count is planned by plan_layers, balancing
+        parameter bytes when given a ModelConfig (evenly by layers when given an int).
+        """
+        num_layers = model.num_hidden_layers if isinstance(model, ModelConfig) else model
+        _require(_is_int(num_layers) and num_layers >= 1,
+                 f"num_layers: expected a positive integer, got {num_layers!r}")
+        if self.station_count is not None:
+            weights = layer_weights(model, self.dtype) if isinstance(model, ModelConfig) else None
+            ranges = plan_layers(num_layers, self.station_count, weights)
+            return tuple(StationSpec(layers=r, **self.station_defaults()) for r in ranges)
+        order = sorted(range(len(self.stations)), key=lambda i: self.stations[i].start)
+        covered = 0
+        for i in order:
+            s = self.stations[i]
+            _require(s.end <= num_layers, f"stations[{i}].layers: end {s.end} exceeds the model's {num_layers} layers")
+            _require(s.start == covered, f"stations: layers {covered}..{s.start - 1} are not covered by any station"
+                     + (" (the first station must start at layer 0)" if covered == 0 else ""))
+            covered = s.end
+        _require(covered == num_layers, f"stations: layers {covered}..{num_layers - 1} are not covered by any station "
+                 f"(the model has {num_layers} layers; the last station must end at {num_layers})")
+        return tuple(self.stations[i] for i in order)
+
+    def with_stations(self, specs) -> MeshConfig:
+        """A new MeshConfig with these explicit stations in place of the current ones (or count)."""
+        return replace(self, stations=tuple(specs), station_count=None)
+
+
+def default_mesh_config() -> MeshConfig:
+    """The embedded default: local Ray, the tiny llama preset, one full-model CPU station, API on 127.0.0.1:8000."""
+    return MeshConfig(model=ModelSource(preset="tiny", arch="llama"), station_count=1)
+
+
+# ---- memory-aware layer plans -------------------------------------------------------------------
+
+def _layer_params(cfg: ModelConfig) -> int:
+    d, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if cfg.qkv_bias else 0) + (d if cfg.o_bias else 0)
+    return attn + 3 * d * cfg.intermediate_size + 2 * d  # + SwiGLU MLP + two RMSNorms
+
+
+def station_bytes(cfg: ModelConfig, start: int, end: int, dtype: str) -> int:
+    """Parameter bytes of a station holding layers [start, end) (+ embedding at 0, + norm/head at L)."""
+    _require(0 <= start < end <= cfg.num_hidden_layers, f"layers: need 0 <= start < end <= "
+             f"{cfg.num_hidden_layers}, got [{start}, {end}]")
+    _require(dtype in DTYPE_BYTES, f"dtype: expected one of {', '.join(SUPPORTED_DTYPES)}, got {dtype!r}")
+    embed = cfg.vocab_size * cfg.hidden_size
+    params = (end - start) * _layer_params(cfg) + (embed if start == 0 else 0)
+    if end == cfg.num_hidden_layers:  # final norm + head; a tied head shares storage only on the same station
+        params += cfg.hidden_size + (0 if cfg.tie_word_embeddings and start == 0 else embed)
+    return params * DTYPE_BYTES[dtype]
+
+
+def layer_weights(cfg: ModelConfig, dtype: str = "float32") -> list[int]:
+    """Bytes per layer, with the embedding folded into layer 0 and norm + head into the last layer."""
+    return [station_bytes(cfg, i, i + 1, dtype) for i in range(cfg.num_hidden_layers)]
+
+
+def plan_layers(num_layers: int, count: int, weights=None) -> list[tuple[int, int]]:
+    """Split layers 0..num_layers into `count` contiguous non-empty ranges.
+
+    Minimises the heaviest station's total weight (per-layer `weights`, e.g. layer_weights(cfg);
+    all 1 when None), then, among those plans, the spread (sum of squared station weights).
+    """
+    _require(_is_int(num_layers) and num_layers >= 1, f"num_layers: expected a positive integer, got {num_layers!r}")
+    _require(_is_int(count) and count >= 1, f"stations.count: expected a positive integer, got {count!r}")
+    _require(count <= num_layers, f"stations.count: {count} stations for a model of {num_layers} layers "
+             "(each station needs at least one layer)")
+    w = [1] * num_layers if weights is None else list(weights)
+    _require(len(w) == num_layers and all(x >= 0 for x in w), f"weights: expected {num_layers} non-negative numbers")
+    pre = [0, *itertools.accumulate(w)]  # pre[j]: weight of layers [0, j)
+    inf = float("inf")
+
+    def solve(cost, combine, limit=inf):
+        # best[k][j]: best cost of splitting layers [0, j) into k stations; cut[k][j]: where the last one starts
+        best = [[inf] * (num_layers + 1) for _ in range(count + 1)]
+        cut = [[0] * (num_layers + 1) for _ in range(count + 1)]
+        best[0][0] = 0
+        for k in range(1, count + 1):
+            for j in range(k, num_layers - (count - k) + 1):
+                for i in range(k - 1, j):
+                    part = pre[j] - pre[i]
+                    if best[k - 1][i] == inf or part > limit:
+                        continue
+                    c = combine(best[k - 1][i], cost(part))
+                    if c < best[k][j]:
+                        best[k][j], cut[k][j] = c, i
+        ranges, j = [], num_layers
+        for k in range(count, 0, -1):
+            ranges.append((cut[k][j], j))
+            j = cut[k][j]
+        return best[count][num_layers], ranges[::-1]
+
+    heaviest, _ = solve(lambda p: p, max)
+    return solve(lambda p: p * p, lambda a, b: a + b, heaviest)[1]
+
+
+# ---- YAML -> MeshConfig -------------------------------------------------------------------------
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def parse_size(v: object) -> int:
+    """Bytes from an integer or a size string: "268435456", "256MiB", "2GiB", "1.5GB", "512Ki"."""
+    if _is_int(v):
+        _require(v > 0, f"expected a positive byte count, got {v!r}")
+        return v
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", v) if isinstance(v, str) else None
+    unit = m.group(2).upper() if m else None
+    _require(m is not None and unit in _UNITS, f"expected bytes as an integer or a size like '256MiB' or '2GiB' "
+             f"(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {v!r}")
+    n = float(m.group(1)) * _UNITS[unit]
+    _require(n >= 1 and n == int(n), f"expected a positive whole number of bytes, got {v!r}")
+    return int(n)
+
+
+_KINDS = {  # kind: (check, what it expects)
+    "pos_int": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "int": (_is_int, "an integer"),
+    "pos_num": (lambda v: _is_num(v) and v > 0, "a number > 0"),
+    "nonneg_num": (lambda v: _is_num(v) and v >= 0, "a number >= 0"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "opt_str": (lambda v: v is None or (isinstance(v, str) and v != ""), "a non-empty string or null"),
+}
+_SCHEMA = {  # section: {key: kind}
+    "ray": {"address": "opt_str", "namespace": "str"},
+    "model": {"path": "str", "preset": "str", "arch": "str"},
+    "scheduler": {"max_seqs": "pos_int", "max_wave_tokens": "pos_int", "max_queue": "pos_int",
+                  "short_first": "bool", "short_prompt_tokens": "pos_int", "max_skips": "pos_int"},
+    "api": {"host": "str", "port": "int", "api_key": "opt_str", "model_name": "opt_str", "max_n": "pos_int"},
+    "cluster": {"token": "opt_str", "station_host": "str", "call_timeout_s": "pos_num",
+                "shutdown_timeout_s": "nonneg_num", "targets_file": "opt_str"},
+    "station": {"layers": "layers", "device": "str", "dtype": "str", "kv_bytes": "size",
+                "num_gpus": "nonneg_num", "num_cpus": "nonneg_num"},
+}
+_TOP = ("ray", "model", "dtype", "device", "kv_bytes", "stations", "scheduler", "api", "cluster")
+
+
+def _type(v: object) -> str:
+    return {type(None): "null", dict: "a mapping", list: "a list"}.get(type(v), repr(v))
+
+
+def _key(path: str, k: object) -> str:
+    return f"{path}.{k}" if path else str(k)
+
+
+def _mapping(d: object, path: str, allowed) -> dict:
+    _require(isinstance(d, dict), f"{path}: expected a mapping, got {_type(d)}")
+    for k in d:
+        _require(k in allowed, f"{_key(path, k)}: unknown key; allowed: {', '.join(allowed)}")
+    return d
+
+
+def _fields(d: dict, path: str, schema: dict) -> dict:
+    out = {}
+    for k, v in d.items():
+        kind, key = schema[k], _key(path, k)
+        if kind == "size":
+            try:
+                out[k] = parse_size(v)
+            except ConfigError as e:
+                raise ConfigError(f"{key}: {e}") from None
+        elif kind == "layers":
+            _require(isinstance(v, list) and len(v) == 2 and all(_is_int(x) for x in v),
+                     f"{key}: expected [start, end] integers, got {v!r}")
+            out[k] = tuple(v)
+        else:
+            ok, what = _KINDS[kind]
+            _require(ok(v), f"{key}: expected {what}, got {_type(v)}")
+            out[k] = float(v) if kind.endswith("_num") else v
+    return out
+
+
+def _build(cls, kw: dict, path: str):
+    """cls(**kw), its error moved under `path` ("scheduler.max_seqs must ..." -> "scheduler.max_seqs: ...")."""
+    try:
+        return cls(**kw)
+    except ConfigError as e:
+        msg = str(e)
+        msg = msg[len(path) + 1:] if path and msg.startswith(path + ".") else msg
+        name = re.match(r"\w+", msg)
+        if name and name.group(0) in kw:
+            rest = msg[len(name.group(0)):]
+            msg = f"{_key(path, name.group(0))}: " + (rest[1:].lstrip() if rest.startswith(":") else msg)
+        elif path and not msg.startswith(path):
+            msg = f"{path}: {msg}"
+        raise ConfigError(msg) from None
+
+
+def _section(raw: dict, name: str, cls):
+    d = raw.get(name)
+    return cls() if d is None else _build(cls, _fields(_mapping(d, name, _SCHEMA[name]), name, _SCHEMA[name]), name)
+
+
+def _model(raw: dict, base: Path | None) -> ModelSource:
+    d = raw.get("model")
+    _require(d is not None, "model: missing; give {path: DIR} or {preset: tiny|small|bench}")
+    kw = _fields(_mapping(d, "model", _SCHEMA["model"]), "model", _SCHEMA["model"])
+    _require(not ("arch" in kw and "path" in kw),
+             "model.arch: only with preset (a checkpoint's config.json names its own)")
+    if "path" in kw:
+        p = Path(kw["path"]).expanduser()
+        kw["path"] = str(p if p.is_absolute() or base is None else base / p)
+    return _build(ModelSource, kw, "model")
+
+
+def _stations(raw: dict, top: MeshConfig) -> dict:
+    d = {"count": 1} if raw.get("stations") is None else raw["stations"]
+    if isinstance(d, dict):
+        count = _mapping(d, "stations", ("count",)).get("count")
+        _require(_is_int(count) and count >= 1, f"stations.count: expected a positive integer, got {_type(count)}")
+        return {"stations": None, "station_count": count}
+    _require(isinstance(d, list) and len(d) > 0,
+             f"stations: expected a list of {{layers: [start, end], ...}} or {{count: N}}, got {_type(d)}")
+    specs = []
+    for i, s in enumerate(d):
+        key = f"stations[{i}]"
+        kw = _fields(_mapping(s, key, _SCHEMA["station"]), key, _SCHEMA["station"])
+        _require("layers" in kw, f"{key}.layers: missing; expected [start, end]")
+        defaults = top.station_defaults()
+        if "device" in kw:  # a station's own device decides its default GPU request
+            defaults["num_gpus"] = 1.0 if kw["device"].startswith("cuda") else 0.0
+        specs.append(_build(StationSpec, defaults | kw, key))
+    return {"stations": tuple(specs), "station_count": None}
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)):
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def mesh_config_from_dict(d: object, source: str = "<dict>", base_dir: str | Path | None = None,
+                          check_paths: bool = True) -> MeshConfig:
+    """Validate a parsed cluster YAML; every ConfigError starts "{source}: {key.path}: ".
+
+    Relative model paths are taken from `base_dir` (the YAML's folder; the working directory when
+    None). The stations must cover a preset's layers exactly; a checkpoint's too unless check_paths
+    is False (then its directory is not read: schema only).
+    """
+    try:
+        _require(isinstance(d, dict), f"top level: expected a mapping of {', '.join(_TOP)}, got "
+                 + ("an empty document" if d is None else _type(d)))
+        raw = _mapping(d, "", _TOP)
+        kw = _fields({k: raw[k] for k in ("dtype", "device", "kv_bytes") if k in raw}, "",
+                     {"dtype": "str", "device": "str", "kv_bytes": "size"})
+        model = _model(raw, Path(base_dir) if base_dir else None)
+        top = _build(MeshConfig, kw | {"model": model, "station_count": 1}, "")
+        cfg = replace(top, ray=_section(raw, "ray", RayConfig), scheduler=_section(raw, "scheduler", SchedulerConfig),
+                      api=_section(raw, "api", ApiConfig), cluster=_section(raw, "cluster", ClusterConfig),
+                      **_stations(raw, top))
+        if check_paths or cfg.model.preset is not None:  # a preset's layers are known without any file
+            cfg.resolve(cfg.model.model_config())
+        return cfg
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def load_mesh_config(path: str | Path, check_paths: bool = True) -> MeshConfig:
+    """Read and validate a cluster YAML file (see deploy/README.md for the schema)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read: {e.strerror or e}") from None
+    try:
+        d = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "top level"
+        what = "; ".join(x for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+        raise ConfigError(f"{p}: {where}: invalid YAML: {what}") from None
+    return mesh_config_from_dict(d, str(p), p.parent, check_paths)

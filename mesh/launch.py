@@ -1,0 +1,162 @@
+"""YAML -> Ray -> station actors -> engine: a running mesh, and how it grows while serving.
+
+`Cluster` owns the Ray connection, one actor per station, the gRPC links to them
+and the engine that drives waves over those links. Growing (`scale`,
+`add_station`) starts the new plan's stations beside the old ones while the old
+route keeps serving, switches the engine's route between waves (live sequences
+are re-prefilled on the new route, their tokens unchanged), then retires the
+stations the new plan no longer uses.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from mesh.cluster import MeshConfig, plan_layers, layer_weights
+from mesh.config import ConfigError, ModelConfig, StationSpec
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Cluster:
+    """A running mesh over Ray actors."""
+
+    def __init__(self, config: MeshConfig, model_dir: str | Path, progress: Callable[[str], None] = _say) -> None:
+        self.config = config
+        self.model_dir = Path(model_dir)
+        self.model = ModelConfig.from_dir(self.model_dir)
+        self.progress = progress
+        self.specs: tuple[StationSpec, ...] = config.resolve(self.model)
+        self.engine = None
+        self._actors: dict[StationSpec, object] = {}
+        self._links: dict[StationSpec, object] = {}
+        self._owns_ray = False
+        self._scale_lock = threading.Lock()
+        self._generation = 0
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self, tokenizer=None) -> None:
+        """Connect to (or start) Ray, launch every station, and build the engine over them."""
+        import ray
+
+        from orchestrator.engine import Engine
+
+        if not ray.is_initialized():
+            kw = {"namespace": self.config.ray.namespace, "include_dashboard": False, "logging_level": "WARNING",
+                  "log_to_driver": False}
+            if self.config.ray.address is None:
+                # logical CPUs: room for the old and the new plan side by side while growing
+                kw["num_cpus"] = max(os.cpu_count() or 1, 4 * len(self.specs) + 8)
+                ray.init(**kw)
+            else:
+                ray.init(address=self.config.ray.address, **kw)
+            self._owns_ray = True
+        self._launch(self.specs)
+        self.engine = Engine([self._links[s] for s in self.specs], self.model, self.config.scheduler, tokenizer)
+
+    def stop(self) -> None:
+        """Stop the engine and every station actor (and Ray, if this cluster started it)."""
+        import ray
+
+        from station.actor import stop_station
+
+        if self.engine is not None:
+            self.engine.close()
+        for spec in list(self._actors):
+            self._retire(spec, stop_station)
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+    # ---- growth ----------------------------------------------------------------------------------
+    def scale(self, count: int) -> tuple[StationSpec, ...]:
+        """Re-plan the model over `count` stations (memory-aware) and move serving onto them."""
+        if not (isinstance(count, int) and 1 <= count <= self.model.num_hidden_layers):
+            raise ConfigError(f"stations: expected 1..{self.model.num_hidden_layers}, got {count!r}")
+        ranges = plan_layers(self.model.num_hidden_layers, count, layer_weights(self.model, self.config.dtype))
+        base = self.specs[0]
+        return self.reroute(tuple(replace(base, layers=r) for r in ranges))
+
+    def add_station(self, layers: tuple[int, int] | None = None, num_gpus: float | None = None) -> tuple[StationSpec, ...]:
+        """Add one station: on `layers` (the others shrink around it), or splitting the largest station."""
+        specs = list(self.specs)
+        if layers is None:
+            big = max(specs, key=lambda s: s.end - s.start)
+            if big.end - big.start < 2:
+                raise ConfigError("add-station: every station holds one layer; nothing left to split")
+            mid = big.start + (big.end - big.start) // 2
+            layers = (mid, big.end)
+        a, b = layers
+        if not (0 <= a < b <= self.model.num_hidden_layers):
+            raise ConfigError(f"layers: expected A-B with 0 <= A < B <= {self.model.num_hidden_layers}, got {a}-{b}")
+        new = []
+        for s in specs:  # clip every station around [a, b)
+            for lo, hi in ((s.start, min(s.end, a)), (max(s.start, b), s.end)):
+                if lo < hi:
+                    new.append(replace(s, layers=(lo, hi)))
+        added = replace(specs[0], layers=(a, b), num_gpus=specs[0].num_gpus if num_gpus is None else num_gpus)
+        return self.reroute(tuple(sorted(new + [added], key=lambda s: s.start)))
+
+    def prepare(self, specs: tuple[StationSpec, ...]) -> tuple[StationSpec, ...]:
+        """Check a plan and start (load) the stations it needs that are not running yet."""
+        specs = self.config.with_stations(specs).resolve(self.model)
+        with self._scale_lock:
+            self._launch(tuple(s for s in specs if s not in self._actors))
+        return specs
+
+    def reroute(self, specs: tuple[StationSpec, ...]) -> tuple[StationSpec, ...]:
+        """Start what `specs` needs beside the current stations, switch the route between waves,
+        then retire the old route's stations that the new plan does not use."""
+        from station.actor import stop_station
+
+        specs = self.prepare(specs)
+        with self._scale_lock:
+            self.progress(f"switching route to {len(specs)} station(s): {[list(s.layers) for s in specs]}")
+            self.engine.switch_route([self._links[s] for s in specs])
+            for old in [s for s in self.specs if s not in specs]:
+                self._retire(old, stop_station)
+            self.specs = specs
+            self._generation += 1
+        return specs
+
+    # ---- status ----------------------------------------------------------------------------------
+    def status(self) -> dict:
+        """Stations (layer ranges, addresses, health, KV), and the engine's queues and waves."""
+        stations = []
+        for i, spec in enumerate(self.specs):
+            d = self._links[spec].describe()
+            d.update(index=i, num_gpus=spec.num_gpus)
+            stations.append(d)
+        return {"model": self.model_dir.name, "num_layers": self.model.num_hidden_layers,
+                "route_generation": self._generation, "stations": stations}
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _launch(self, specs: tuple[StationSpec, ...]) -> None:
+        from orchestrator.remote import RemoteLink
+        from station.actor import create_station, station_address
+
+        started = time.monotonic()
+        handles = {}
+        for spec in specs:
+            self.progress(f"station [{spec.start}, {spec.end}) on {spec.device}/{spec.dtype}: loading")
+            handles[spec] = create_station(self.model_dir, spec, host=self.config.cluster.station_host)
+        for spec, handle in handles.items():
+            address = station_address(handle, timeout_s=600)
+            self._actors[spec] = handle
+            self._links[spec] = RemoteLink(address, timeout_s=self.config.cluster.call_timeout_s)
+            self.progress(f"station [{spec.start}, {spec.end}): ready at {address} "
+                          f"({time.monotonic() - started:.1f}s)")
+
+    def _retire(self, spec: StationSpec, stop_station) -> None:
+        link = self._links.pop(spec, None)
+        if link is not None:
+            link.close()
+        handle = self._actors.pop(spec, None)
+        if handle is not None:
+            stop_station(handle)

@@ -1,0 +1,187 @@
+"""Stats dataclasses -> Prometheus, in one place (each registry private, never the global one).
+
+MetricsRegistry is the orchestrator's: gauges and counters mapped from EngineStats at scrape
+time (a custom collector, so no Prometheus call lives in scheduling logic), per-request
+counters and histograms observed by the API layer from a RequestRecord when a request ends,
+and wave histograms fed by `observe_wave`. StationMetrics is a station process's: it maps
+Station.stats() (and the server's wire byte counts) at scrape time.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from orchestrator.engine import EngineStats
+
+__all__ = ["CONTENT_TYPE_LATEST", "MetricsRegistry", "RequestRecord", "StationMetrics"]
+PREFIX = "wavemesh:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 10.0, 20.0, 80.0)
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+WAVE_TOKEN_BUCKETS = tuple(float(2**i) for i in range(14))  # 1 .. 8192 rows
+OCCUPANCY_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+WAVE_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """What one served request did, as the API layer saw it (all choices together)."""
+
+    prompt_tokens: int  # prompt length (counted once per request)
+    completion_tokens: int  # tokens generated, all choices
+    finish_reasons: tuple[str, ...]  # one per choice: stop | length | cancelled | error
+    ttft_s: float | None = None  # arrival -> first token
+    e2e_s: float | None = None  # arrival -> last choice finished
+    queue_s: float | None = None  # arrival -> first scheduled (when the engine reports it)
+    inter_token_s: tuple[float, ...] = ()  # gaps between consecutive tokens of each choice
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters read from EngineStats (plus the API's own refusals) at scrape time."""
+
+    def __init__(self, stats: Callable[[], "EngineStats"] | None, api_refusals: Callable[[], dict[str, int]]) -> None:
+        self._stats, self._api_refusals = stats, api_refusals
+
+    def collect(self):
+        """One EngineStats snapshot -> metric families."""
+        refusals = dict(self._api_refusals())
+        if self._stats is not None:
+            s = self._stats()
+            for name, value, doc in (
+                    ("num_requests_running", s.running, "Sequences in the running set."),
+                    ("num_requests_waiting", s.waiting, "Sequences in the waiting queue."),
+                    ("num_waves_in_flight", s.waves_in_flight, "Waves sent to the stations and not yet committed."),
+                    ("kv_cache_usage_perc", s.kv_bytes_used / s.kv_bytes_total if s.kv_bytes_total else 0.0,
+                     "Fraction of the stations' KV bytes in use (1 = full).")):
+                yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+            for name, value, doc in (
+                    ("num_preemptions", s.preemptions, "Sequences preempted to free KV (recomputed later)."),
+                    ("waves", s.waves, "Waves committed."),
+                    ("wave_prefill_rows", s.prefill_tokens, "Prompt and recompute rows computed in waves."),
+                    ("wave_decode_rows", s.decode_tokens, "Decode rows computed in waves.")):
+                yield CounterMetricFamily(PREFIX + name, doc, value=value)
+            for reason, count in s.refusals.items():
+                refusals[reason] = refusals.get(reason, 0) + count
+        rejected = CounterMetricFamily(PREFIX + "requests_rejected", "Requests refused, by reason.", labels=["reason"])
+        for reason, count in sorted(refusals.items()):
+            rejected.add_metric([reason], count)
+        yield rejected
+
+
+class MetricsRegistry:
+    """The orchestrator's metrics: a private CollectorRegistry rendered by GET /metrics."""
+
+    def __init__(self, engine_stats: Callable[[], "EngineStats"] | None = None) -> None:
+        """`engine_stats` (usually `engine.stats`) is called once per scrape."""
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._lock = threading.Lock()
+        self._api_refusals: dict[str, int] = {}
+        self.registry.register(_EngineCollector(engine_stats, self._refusals_snapshot))
+        r = self.registry
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of served requests.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated for served requests.",
+                                         registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "Finished choices, by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Gap between consecutive tokens of a choice.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to the end of the last choice.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled.",
+                                    buckets=E2E_BUCKETS, registry=r)
+        self.wave_tokens = Histogram(PREFIX + "wave_tokens", "Rows (tokens) in one wave.",
+                                     buckets=WAVE_TOKEN_BUCKETS, registry=r)
+        self.wave_occupancy = Histogram(PREFIX + "wave_occupancy", "Rows of a wave / max_wave_tokens.",
+                                        buckets=OCCUPANCY_BUCKETS, registry=r)
+        self.wave_duration = Histogram(PREFIX + "wave_duration_seconds", "Send to commit of one wave.",
+                                       buckets=WAVE_SECONDS_BUCKETS, registry=r)
+
+    def _refusals_snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._api_refusals)
+
+    def observe_rejection(self, reason: str) -> None:
+        """Count a request the API refused before it reached the engine (e.g. reason="invalid")."""
+        with self._lock:
+            self._api_refusals[reason] = self._api_refusals.get(reason, 0) + 1
+
+    def observe_request(self, record: RequestRecord) -> None:
+        """Count and time one request that ended (finished, cancelled or failed)."""
+        self.prompt_tokens.inc(record.prompt_tokens)
+        self.generation_tokens.inc(record.completion_tokens)
+        for reason in record.finish_reasons:
+            self.request_success.labels(finished_reason=reason).inc()
+        for hist, value in ((self.ttft, record.ttft_s), (self.e2e, record.e2e_s), (self.queue_time, record.queue_s)):
+            if value is not None:
+                hist.observe(max(0.0, value))
+        for gap in record.inter_token_s:
+            self.itl.observe(max(0.0, gap))
+
+    def observe_wave(self, tokens: int, occupancy: float, seconds: float) -> None:
+        """One committed wave: its rows, rows / max_wave_tokens, and send-to-commit seconds."""
+        self.wave_tokens.observe(tokens)
+        self.wave_occupancy.observe(occupancy)
+        self.wave_duration.observe(seconds)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)
+
+
+class _StationCollector(Collector):
+    def __init__(self, station, labels: dict[str, str], wire: Callable[[], Mapping[str, int]] | None) -> None:
+        self._station, self._labels, self._wire = station, labels, wire
+
+    def collect(self):
+        """One Station.stats() snapshot -> metric families."""
+        names, values = list(self._labels), list(self._labels.values())
+        s = self._station.stats()
+
+        def family(kind, name: str, doc: str, value=None, extra: dict[str, float] | None = None, label: str = ""):
+            fam = kind(PREFIX + name, doc, labels=names + ([label] if label else []))
+            if extra is None:
+                fam.add_metric(values, value)
+            for key, v in (extra or {}).items():
+                fam.add_metric(values + [key], v)
+            return fam
+
+        yield family(CounterMetricFamily, "station_forward_seconds", "Seconds spent in forward, by phase.",
+                     extra={"prefill": s.prefill_seconds, "decode": s.decode_seconds}, label="phase")
+        yield family(CounterMetricFamily, "station_forwards", "Forward calls (waves) run.", s.forwards)
+        yield family(CounterMetricFamily, "station_rows", "Rows (tokens) run through the layers.", s.rows)
+        yield family(GaugeMetricFamily, "station_kv_bytes_used", "KV bytes in use.", s.kv.bytes_used)
+        yield family(GaugeMetricFamily, "station_kv_bytes_total", "KV byte budget.", s.kv.bytes_total)
+        yield family(GaugeMetricFamily, "station_sequences", "Sequences holding KV.", s.kv.sequences)
+        wire = dict(self._wire()) if self._wire is not None else {}
+        yield family(CounterMetricFamily, "station_wire_bytes", "Message bytes on the wire, by direction.",
+                     extra={d: wire.get(d, 0) for d in sorted({"in", "out", *wire})}, label="direction")
+
+
+class StationMetrics:
+    """A station process's metrics, labelled by station and layer range; `render()` for its endpoint."""
+
+    def __init__(self, station, labels: Mapping[str, str] | None = None,
+                 wire: Callable[[], Mapping[str, int]] | None = None) -> None:
+        """`station` has `.stats() -> StationStats` and `.spec.layers`; `wire()` returns bytes by direction
+        ({"in": n, "out": m}) as counted by the server. Labels default to station="s<start>", layers="start-end"."""
+        start, end = station.spec.layers
+        merged = {"station": f"s{start}", "layers": f"{start}-{end}"}
+        merged.update({str(k): str(v) for k, v in (labels or {}).items()})
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_StationCollector(station, merged, wire))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this station's metrics."""
+        return generate_latest(self.registry)

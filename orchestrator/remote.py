@@ -1,0 +1,46 @@
+"""A station behind gRPC, as the pipeline sees it."""
+from __future__ import annotations
+
+from orchestrator.pipeline import LinkKV, LinkOutput
+from station.client import StationClient
+
+
+class RemoteLink:
+    """A station behind gRPC (typically a Ray actor)."""
+
+    def __init__(self, address: str, timeout_s: float = 30.0, max_message_bytes: int = 512 * 2**20) -> None:
+        self.client = StationClient(address, timeout_s, max_message_bytes)
+        info = self.client.info()
+        self.client.hidden_size, self.client.vocab_size = info.hidden_size, info.vocab_size
+        self.address = address
+        self._info = info
+
+    def forward(self, wave_id, entries, token_ids, hidden) -> LinkOutput:
+        """Run the wave on the remote station."""
+        out = self.client.forward(wave_id, entries, token_ids=token_ids, hidden=hidden)
+        return LinkOutput(out.hidden, out.samples, out.forward_seconds)
+
+    def release(self, seq_ids) -> None:
+        """Free KV on the remote station."""
+        self.client.release(list(seq_ids))
+
+    def kv(self) -> LinkKV:
+        """KV geometry (fixed at start) and the current occupancy (one Info call)."""
+        info = self.client.info()
+        return LinkKV(info.kv_blocks_total, info.block_tokens, info.kv_bytes_used, info.kv_bytes_total)
+
+    def describe(self) -> dict:
+        """Layer range, device, dtype, address, health and KV use (one Info and one health call)."""
+        try:
+            info, healthy = self.client.info(), self.client.health()
+        except Exception as e:  # a station that does not answer is reported, not raised
+            return {"layers": [self._info.layer_start, self._info.layer_end], "address": self.address,
+                    "healthy": False, "error": str(e)}
+        return {"layers": [info.layer_start, info.layer_end], "device": info.device, "dtype": info.dtype,
+                "address": self.address, "healthy": healthy, "kv_bytes_used": info.kv_bytes_used,
+                "kv_bytes_total": info.kv_bytes_total, "sequences": info.sequences,
+                "metrics_address": info.metrics_address}
+
+    def close(self) -> None:
+        """Close the channel."""
+        self.client.close()

@@ -1,0 +1,87 @@
+"""The mesh: station actors behind gRPC, pipelined waves, and growth while serving (local Ray)."""
+from __future__ import annotations
+
+import pytest
+
+from mesh.cluster import MeshConfig, ModelSource
+from mesh.config import SchedulerConfig, StationSpec
+from mesh.launch import Cluster
+from mesh.params import SamplingParams
+from station.generate import generate_one
+from station.step import Station
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=16, include_dashboard=False, namespace="wavemesh-test", logging_level="ERROR",
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _jobs(n, max_tokens=12):
+    prompts = [[1] + [(29 * i + 13 * j) % 500 + 5 for j in range(2 + (11 * i) % 30)] for i in range(n)]
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0 if i % 2 == 0 else 0.8,
+                             seed=300 + i) for i in range(n)]
+    return prompts, params
+
+
+def _reference(model_dir, prompts, params):
+    st = Station(model_dir, StationSpec(layers=(0, 6)))
+    return [generate_one(st, p, sp)[0] for p, sp in zip(prompts, params)]
+
+
+def _cluster(model_dir, ranges):
+    cfg = MeshConfig(model=ModelSource(path=str(model_dir)),
+                     stations=tuple(StationSpec(layers=r) for r in ranges),
+                     scheduler=SchedulerConfig(max_seqs=16, max_wave_tokens=64))
+    cluster = Cluster(cfg, model_dir, progress=lambda msg: None)
+    cluster.start()
+    return cluster
+
+
+@pytest.mark.parametrize("ranges", [((0, 6),), ((0, 2), (2, 6)), ((0, 1), (1, 4), (4, 6))])
+def test_stations_over_grpc_match_in_process(local_ray, tiny_llama, ranges):
+    prompts, params = _jobs(8)
+    reference = _reference(tiny_llama, prompts, params)
+    cluster = _cluster(tiny_llama, ranges)
+    try:
+        streams = [cluster.engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        assert [s.result(timeout=120)[0].token_ids for s in streams] == reference
+        status = cluster.status()
+        assert [s["layers"] for s in status["stations"]] == [list(r) for r in ranges]
+        assert all(s["healthy"] for s in status["stations"])
+        assert cluster.engine.quiesce(30) and cluster.engine.stats().kv_bytes_used == 0
+    finally:
+        cluster.stop()
+
+
+def test_scale_while_serving_keeps_every_token(local_ray, tiny_llama):
+    """1 -> 3 -> 1 -> 2 stations while 8 requests stream: every token equals the never-changed reference."""
+    prompts, params = _jobs(8, max_tokens=600)
+    reference = _reference(tiny_llama, prompts, params)
+    cluster = _cluster(tiny_llama, ((0, 6),))
+    try:
+        first = list(cluster._actors.values())
+        three = cluster.prepare(tuple(StationSpec(layers=r) for r in ((0, 2), (2, 4), (4, 6))))  # loaded beside
+        streams = [cluster.engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        steps = ((3, lambda: cluster.reroute(three)), (1, lambda: cluster.scale(1)),
+                 (2, lambda: cluster.add_station((4, 6))))
+        for target, grow in steps:
+            assert not any(s.done for s in streams), "requests ended before the route changed"
+            specs = grow()
+            assert len(specs) == target
+            assert [s["layers"] for s in cluster.status()["stations"]] == [list(s.layers) for s in specs]
+        assert [list(s.layers) for s in cluster.specs] == [[0, 4], [4, 6]]
+        outs = [s.result(timeout=300)[0] for s in streams]
+        assert [o.token_ids for o in outs] == reference
+        assert all(o.finish_reason == "length" for o in outs)
+        assert cluster.engine.quiesce(30) and cluster.engine.stats().kv_bytes_used == 0
+        assert len(cluster._actors) == 2
+        for handle in first:  # the first full-model station was retired and its actor ended
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(handle.pid.remote(), timeout=30)
+    finally:
+        cluster.stop()
