@@ -15,7 +15,7 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 run: $(BIN)/.installed
-	$(BIN)/mesh generate --prompt "The mesh grows one station at a time" --max-tokens 24
+	$(BIN)/mesh up
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest

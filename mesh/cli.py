@@ -1,4 +1,4 @@
-"""`mesh` command line: init-model, generate, bench.
+"""`mesh` command line: up, down, status, scale, add-station, generate, bench, init-model.
 
 Environment is read here, at the edge, and nowhere deeper: WAVEMESH_CACHE names
 where the embedded default model is written (default ~/.cache/wavemesh).
@@ -113,6 +113,101 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_config(path: str | None):
+    from mesh.cluster import default_mesh_config, load_mesh_config
+
+    return load_mesh_config(path) if path else default_mesh_config()
+
+
+def _model_dir_of(config) -> Path:
+    if config.model.path is not None:
+        return Path(config.model.path)
+    from mesh.model.synthetic import builtin_model
+
+    return builtin_model(_cache_dir(), config.model.preset, config.model.arch)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Start a cluster from a YAML (or the embedded default) and serve until SIGINT/SIGTERM."""
+    from dataclasses import replace
+
+    from mesh import up
+
+    config = _load_config(args.config)  # every mistake is refused here, before anything starts
+    if args.port is not None:
+        config = replace(config, api=replace(config.api, port=args.port))
+    if args.detach:
+        rest = [a for a in sys.argv[2:] if a != "--detach"]
+        return up.detach(rest, f"http://{config.api.host}:{config.api.port}", _cache_dir().parent)
+    return up.serve(config, _model_dir_of(config))
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    """Stop a cluster started with `mesh up --detach`."""
+    from mesh import up
+
+    return up.down(_cache_dir().parent)
+
+
+def _url(args: argparse.Namespace) -> str:
+    if args.url:
+        return args.url.rstrip("/")
+    state = _cache_dir().parent / "mesh-up.json"
+    return json.loads(state.read_text())["url"] if state.is_file() else "http://127.0.0.1:8000"
+
+
+def _call(args: argparse.Namespace, path: str, body: dict | None = None) -> dict:
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json"}
+    key = os.environ.get("WAVEMESH_API_KEY")
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(_url(args) + path, data=data, headers=headers, method="POST" if data else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise ValueError(f"{path}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
+    except urllib.error.URLError as e:
+        raise ValueError(f"cannot reach the orchestrator at {_url(args)}: {e.reason}") from None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print the stations, their ranges, addresses, health and KV use, and the engine's queues."""
+    status = _call(args, "/v1/status")
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    for st in status.get("stations", []):
+        used, total = st.get("kv_bytes_used", 0), st.get("kv_bytes_total", 0) or 1
+        print(f"station {st.get('index')}: layers {st['layers']}  {st.get('address')}  "
+              f"{'healthy' if st.get('healthy') else 'DOWN'}  kv {100 * used / total:.1f}%")
+    eng = status.get("engine", {})
+    print(f"running {eng.get('running')}  waiting {eng.get('waiting')}  waves in flight {eng.get('waves_in_flight')}")
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    """Re-plan a running cluster over N stations."""
+    print(json.dumps(_call(args, "/admin/scale", {"stations": args.stations})))
+    return 0
+
+
+def cmd_add_station(args: argparse.Namespace) -> int:
+    """Add one station to a running cluster."""
+    layers = None
+    if args.layers:
+        try:
+            layers = [int(x) for x in args.layers.split("-")]
+        except ValueError:
+            raise ValueError(f"--layers: expected A-B, got {args.layers!r}") from None
+    print(json.dumps(_call(args, "/admin/add-station", {"layers": layers, "num_gpus": args.num_gpus})))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run a benchmark from bench/ by name."""
     import runpy
@@ -155,6 +250,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--json", action="store_true", help='print {"token_ids", "text", "finish_reason"} on one line')
     gen.set_defaults(func=cmd_generate)
+
+    up_ = sub.add_parser("up", help="start a cluster from a YAML (default: the embedded local one) and serve")
+    up_.add_argument("config", nargs="?", help="cluster YAML (see deploy/README.md)")
+    up_.add_argument("--detach", action="store_true", help="run in the background; stop with `mesh down`")
+    up_.add_argument("--port", type=int, help="override api.port")
+    up_.set_defaults(func=cmd_up)
+    sub.add_parser("down", help="stop a cluster started with --detach").set_defaults(func=cmd_down)
+    for name, func, helptext in (("status", cmd_status, "stations, health, KV use, waves in flight"),
+                                 ("scale", cmd_scale, "re-plan a running cluster over N stations"),
+                                 ("add-station", cmd_add_station, "add a station to a running cluster")):
+        cmd = sub.add_parser(name, help=helptext)
+        cmd.add_argument("--url", help="orchestrator URL (default: the detached cluster, or 127.0.0.1:8000)")
+        cmd.add_argument("--timeout", type=float, default=600.0)
+        cmd.set_defaults(func=func)
+        if name == "status":
+            cmd.add_argument("--json", action="store_true")
+        if name == "scale":
+            cmd.add_argument("--stations", type=int, required=True)
+        if name == "add-station":
+            cmd.add_argument("--layers", help="A-B: the new station's layer range")
+            cmd.add_argument("--num-gpus", type=float)
 
     bench = sub.add_parser("bench", help="run a benchmark from bench/ (step, ...)")
     bench.add_argument("name")

@@ -1,0 +1,150 @@
+"""`mesh up`: a cluster from a MeshConfig, served over HTTP until SIGINT/SIGTERM.
+
+The API process is the orchestrator: it owns the Cluster (Ray actors + engine)
+and serves the OpenAI routes, `/v1/status`, `/metrics`, and the admin routes
+that grow the mesh while it serves (`POST /admin/scale`, `POST /admin/add-station`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from mesh.cluster import MeshConfig
+from mesh.config import ConfigError
+
+
+def chat_template(model_dir: Path) -> str:
+    """The chat template of a checkpoint's tokenizer_config.json ('' when it has none)."""
+    p = model_dir / "tokenizer_config.json"
+    if not p.is_file():
+        return ""
+    return json.loads(p.read_text()).get("chat_template") or ""
+
+
+def build_app(cluster, config: MeshConfig):
+    """The API over a started cluster, with the admin routes that scale it."""
+    from fastapi import Body
+
+    from orchestrator.api import create_app
+    from orchestrator.openai_schema import ApiError
+
+    name = config.api.model_name or cluster.model_dir.name
+    app = create_app(cluster.engine, cluster.engine.tokenizer, chat_template(cluster.model_dir), name, config.api,
+                     status_provider=cluster.status)
+
+    def _specs(specs) -> dict:
+        return {"stations": [{"layers": list(s.layers), "device": s.device, "num_gpus": s.num_gpus} for s in specs]}
+
+    @app.post("/admin/scale")
+    def scale(body: dict = Body(...)) -> dict:
+        """Re-plan the model over `stations` stations and move serving onto them."""
+        count = body.get("stations") if isinstance(body, dict) else None
+        if not isinstance(count, int) or isinstance(count, bool):
+            raise ApiError(400, "stations: expected an integer", "stations")
+        try:
+            return _specs(cluster.scale(count))
+        except ConfigError as e:
+            raise ApiError(400, str(e), "stations") from None
+
+    @app.post("/admin/add-station")
+    def add_station(body: dict = Body(...)) -> dict:
+        """Add a station on `layers` [A, B] (or split the largest), with `num_gpus`."""
+        layers, gpus = body.get("layers"), body.get("num_gpus")
+        if layers is not None and not (isinstance(layers, list) and len(layers) == 2
+                                       and all(isinstance(x, int) for x in layers)):
+            raise ApiError(400, "layers: expected [start, end] integers", "layers")
+        if gpus is not None and not (isinstance(gpus, (int, float)) and gpus >= 0):
+            raise ApiError(400, "num_gpus: expected a number >= 0", "num_gpus")
+        try:
+            return _specs(cluster.add_station(tuple(layers) if layers else None, gpus))
+        except ConfigError as e:
+            raise ApiError(400, str(e), "layers") from None
+
+    return app
+
+
+def serve(config: MeshConfig, model_dir: Path) -> int:
+    """Start the cluster, serve until SIGINT/SIGTERM, then stop every actor."""
+    import uvicorn
+    from tokenizers import Tokenizer
+
+    from mesh.launch import Cluster
+
+    cluster = Cluster(config, model_dir)
+    cluster.start(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+    try:
+        app = build_app(cluster, config)
+        server = uvicorn.Server(uvicorn.Config(app, host=config.api.host, port=config.api.port, log_level="warning",
+                                               timeout_graceful_shutdown=config.cluster.shutdown_timeout_s))
+        print(f"wavemesh serving {model_dir.name} on http://{config.api.host}:{config.api.port} "
+              f"with {len(cluster.specs)} station(s)", file=sys.stderr, flush=True)
+        try:
+            server.run()  # SIGINT/SIGTERM: stop accepting, let open requests finish (graceful timeout)
+        except SystemExit:
+            pass  # uvicorn re-raises the captured signal on exit, and Ray's handler turns it into SystemExit
+    finally:
+        cluster.stop()
+        print("wavemesh stopped: every station actor ended", file=sys.stderr, flush=True)
+    return 0
+
+
+def state_file(cache: Path) -> Path:
+    """Where a detached `mesh up` records its pid and URL."""
+    return cache / "mesh-up.json"
+
+
+def detach(argv: list[str], url: str, cache: Path, timeout_s: float = 300.0) -> int:
+    """Start `mesh up` again in the background (its own session), wait for /health, record its pid."""
+    cache.mkdir(parents=True, exist_ok=True)
+    log = cache / "mesh-up.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", *argv], stdout=out, stderr=out,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    state_file(cache).write_text(json.dumps({"pid": proc.pid, "url": url, "log": str(log)}))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            print(f"mesh up exited with {proc.returncode}; see {log}", file=sys.stderr)
+            return 1
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    print(f"wavemesh up at {url} (pid {proc.pid}, log {log})")
+                    return 0
+        except OSError:
+            pass
+        time.sleep(0.5)
+    print(f"mesh up did not become healthy within {timeout_s}s; see {log}", file=sys.stderr)
+    return 1
+
+
+def down(cache: Path, timeout_s: float = 60.0) -> int:
+    """Stop a detached `mesh up` (SIGTERM, then wait for it to drain and exit)."""
+    p = state_file(cache)
+    if not p.is_file():
+        print("mesh down: no detached cluster recorded", file=sys.stderr)
+        return 1
+    pid = json.loads(p.read_text())["pid"]
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        p.unlink()
+        print(f"mesh down: process {pid} was not running")
+        return 0
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            p.unlink()
+            print(f"mesh down: stopped {pid}")
+            return 0
+        time.sleep(0.2)
+    print(f"mesh down: {pid} still running after {timeout_s}s", file=sys.stderr)
+    return 1

@@ -1,0 +1,112 @@
+"""`mesh up` as a user runs it: a YAML cluster served over HTTP, scaled by `mesh scale`, stopped by SIGTERM."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from mesh.config import StationSpec
+from mesh.params import SamplingParams
+from station.generate import generate_one
+from station.step import Station
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mesh(*args, env, timeout=120):
+    return subprocess.run([sys.executable, "-m", "mesh.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _post(url, body, timeout=300):
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture
+def env(tmp_path):
+    e = dict(os.environ, WAVEMESH_CACHE=str(tmp_path / "cache"), RAY_AUTH_MODE="disabled")
+    return e
+
+
+def test_yaml_mistakes_start_nothing(tmp_path, env, tiny_llama):
+    cases = {
+        "overlap.yaml": (f"model: {{path: {tiny_llama}}}\nstations:\n  - {{layers: [0, 4]}}\n  - {{layers: [3, 6]}}\n",
+                         "overlap"),
+        "gap.yaml": (f"model: {{path: {tiny_llama}}}\nstations:\n  - {{layers: [0, 2]}}\n  - {{layers: [3, 6]}}\n",
+                     "not covered"),
+        "unknown.yaml": (f"model: {{path: {tiny_llama}}}\nschedular: {{max_seqs: 4}}\n", "schedular"),
+        "type.yaml": (f"model: {{path: {tiny_llama}}}\nscheduler: {{max_seqs: many}}\n", "max_seqs"),
+        "nomodel.yaml": ("model: {path: /no/such/model}\n", "does not exist"),
+    }
+    for name, (text, problem) in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        t0 = time.monotonic()
+        r = _mesh("up", str(path), "--port", str(_free_port()), env=env, timeout=60)
+        assert r.returncode == 2, (name, r.stderr)
+        assert name in r.stderr and problem in r.stderr, (name, r.stderr)
+        assert "loading" not in r.stderr and time.monotonic() - t0 < 30
+
+
+def test_mesh_up_serves_and_scales_mid_stream(tmp_path, env, tiny_llama):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = tmp_path / "three.yaml"
+    cfg.write_text(f"model: {{path: {tiny_llama}}}\nstations:\n  - {{layers: [0, 1]}}\n  - {{layers: [1, 4]}}\n"
+                   f"  - {{layers: [4, 6]}}\nscheduler: {{max_seqs: 16, max_wave_tokens: 64}}\n"
+                   f"api: {{host: 127.0.0.1, port: {port}}}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", str(cfg)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("mesh up never became healthy")
+        status = json.loads(_mesh("status", "--url", url, "--json", env=env).stdout)
+        assert [s["layers"] for s in status["stations"]] == [[0, 1], [1, 4], [4, 6]]
+        prompts = [[1, 7 + i, 30 + 3 * i, 99] for i in range(6)]
+        params = [SamplingParams(max_tokens=300, ignore_eos=True, temperature=0.7 * (i % 2), seed=i) for i in range(6)]
+        one = Station(tiny_llama, StationSpec(layers=(0, 6)))
+        reference = [generate_one(one, p, sp)[0] for p, sp in zip(prompts, params)]
+        results = [None] * len(prompts)
+
+        def run(i):
+            body = {"prompt": prompts[i], "max_tokens": 300, "ignore_eos": True, "temperature": params[i].temperature,
+                    "seed": i, "return_token_ids": True}
+            results[i] = _post(url + "/v1/completions", body)["choices"][0]["token_ids"]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        for n in (1, 3):
+            r = _mesh("scale", "--stations", str(n), "--url", url, env=env, timeout=300)
+            assert r.returncode == 0, r.stderr
+            assert len(json.loads(r.stdout)["stations"]) == n
+        for t in threads:
+            t.join(timeout=300)
+        assert results == reference
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-2000:]
