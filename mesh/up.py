@@ -32,11 +32,14 @@ def build_app(cluster, config: MeshConfig):
     from fastapi import Body
 
     from orchestrator.api import create_app
+    from orchestrator.metrics import MetricsRegistry
     from orchestrator.openai_schema import ApiError
 
     name = config.api.model_name or cluster.model_dir.name
+    metrics = MetricsRegistry(cluster.engine.stats)
+    cluster.engine.on_wave = metrics.observe_wave
     app = create_app(cluster.engine, cluster.engine.tokenizer, chat_template(cluster.model_dir), name, config.api,
-                     status_provider=cluster.status)
+                     status_provider=cluster.status, metrics=metrics)
 
     def _specs(specs) -> dict:
         return {"stations": [{"layers": list(s.layers), "device": s.device, "num_gpus": s.num_gpus} for s in specs]}

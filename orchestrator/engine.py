@@ -17,6 +17,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from mesh.config import ModelConfig, SchedulerConfig
 from mesh.params import SamplingParams
@@ -62,7 +63,9 @@ class Engine:
     """Continuous batching over a chain of stations."""
 
     def __init__(self, links: list[StationLink], model: ModelConfig, config: SchedulerConfig,
-                 tokenizer=None, rate_window_s: float = 10.0) -> None:
+                 tokenizer=None, rate_window_s: float = 10.0,
+                 on_wave: Callable[[int, float, float], None] | None = None) -> None:
+        """`on_wave(rows, occupancy, seconds)` is called after each committed wave (metrics hook)."""
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.scheduler = Scheduler(config, self._limits(links), model.eos_token_ids)
         self.pipeline = Pipeline(links, self._on_wave_done)
@@ -75,6 +78,8 @@ class Engine:
         self._rates: deque = deque()
         self._rate_window = rate_window_s
         self._closed = self._paused = False
+        self.on_wave = on_wave
+        self._sent: dict[int, float] = {}  # wave id -> when it entered the pipeline
         self._thread = threading.Thread(target=self._run, name="wave-loop", daemon=True)
         self._thread.start()
 
@@ -225,9 +230,16 @@ class Engine:
             if plan is None:
                 return
             self._in_flight += 1
+            now = time.monotonic()
+            self._sent[plan.wave_id] = now
+            for e in plan.entries:
+                if e.start_pos == 0 and (owner := self._seq_owner.get(e.seq_id)) is not None:
+                    stream = self._live[owner[0]].stream
+                    stream.scheduled_at = stream.scheduled_at or now
             self.pipeline.submit(plan)
 
     def _finish_wave(self, plan: WavePlan, samples, error: BaseException | None) -> None:
+        sent = self._sent.pop(plan.wave_id, None)
         if error is not None:
             self.scheduler.abort_wave(plan)
             self._release(self.scheduler.take_releases())
@@ -238,6 +250,9 @@ class Engine:
         self._release(result.released)
         s = self.scheduler.stats()
         now = time.monotonic()
+        if self.on_wave is not None and sent is not None:
+            rows = len(plan.token_ids)
+            self.on_wave(rows, rows / self.config.max_wave_tokens, now - sent)
         self._rates.append((now, s.prefill_tokens, s.decode_tokens))
         while self._rates and now - self._rates[0][0] > self._rate_window:
             self._rates.popleft()

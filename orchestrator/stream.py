@@ -86,6 +86,7 @@ class RequestStream:
         self.request_id, self.n = request_id, n
         self.outputs = [CompletionOutput(i) for i in range(n)]
         self.arrival = time.monotonic()
+        self.scheduled_at: float | None = None  # when its first prompt chunk entered a wave
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self._loop = loop
