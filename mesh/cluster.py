@@ -88,12 +88,18 @@ class ClusterConfig:
     call_timeout_s: float = 30.0  # deadline of one station call
     shutdown_timeout_s: float = 30.0  # grace for in-flight work on `mesh down`
     targets_file: str | None = None  # Prometheus file_sd targets written here (None: not written)
+    restart_timeout_s: float = 120.0  # how long a lost station may take to come back before its requests end
+    max_restarts: int = 3  # Ray restarts of one station actor
 
     def __post_init__(self) -> None:
         _require(_is_num(self.call_timeout_s) and self.call_timeout_s > 0,
                  f"cluster.call_timeout_s: must be a number > 0, got {self.call_timeout_s!r}")
         _require(_is_num(self.shutdown_timeout_s) and self.shutdown_timeout_s >= 0,
                  f"cluster.shutdown_timeout_s: must be a number >= 0, got {self.shutdown_timeout_s!r}")
+        _require(_is_num(self.restart_timeout_s) and self.restart_timeout_s > 0,
+                 f"cluster.restart_timeout_s: must be a number > 0, got {self.restart_timeout_s!r}")
+        _require(_is_int(self.max_restarts) and self.max_restarts >= 0,
+                 f"cluster.max_restarts: must be an integer >= 0, got {self.max_restarts!r}")
         _require(isinstance(self.station_host, str) and self.station_host != "", "cluster.station_host: empty")
         for name in ("token", "targets_file"):
             v = getattr(self, name)
@@ -267,6 +273,7 @@ def parse_size(v: object) -> int:
 _KINDS = {  # kind: (check, what it expects)
     "pos_int": (lambda v: _is_int(v) and v > 0, "a positive integer"),
     "int": (_is_int, "an integer"),
+    "nonneg_int": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "pos_num": (lambda v: _is_num(v) and v > 0, "a number > 0"),
     "nonneg_num": (lambda v: _is_num(v) and v >= 0, "a number >= 0"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
@@ -280,7 +287,8 @@ _SCHEMA = {  # section: {key: kind}
                   "short_first": "bool", "short_prompt_tokens": "pos_int", "max_skips": "pos_int"},
     "api": {"host": "str", "port": "int", "api_key": "opt_str", "model_name": "opt_str", "max_n": "pos_int"},
     "cluster": {"token": "opt_str", "station_host": "str", "call_timeout_s": "pos_num",
-                "shutdown_timeout_s": "nonneg_num", "targets_file": "opt_str"},
+                "shutdown_timeout_s": "nonneg_num", "targets_file": "opt_str",
+                "restart_timeout_s": "pos_num", "max_restarts": "nonneg_int"},
     "station": {"layers": "layers", "device": "str", "dtype": "str", "kv_bytes": "size",
                 "num_gpus": "nonneg_num", "num_cpus": "nonneg_num"},
 }
