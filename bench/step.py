@@ -1,0 +1,264 @@
+"""Station step benchmark: decode tok/s of one full-model station vs Hugging Face `generate`, and the roofline.
+
+    python bench/step.py [--model DIR] [--batches 1,4,16,32] [--prompt-len 64] [--steps 32] [--repeats 3]
+                         [--dtype float32] [--device cpu] [--threads N] [--no-hf] [--quick]
+    mesh bench step ...  (same arguments)
+
+Both sides time decode only: our station prefills B prompts in one wave (which yields the first token)
+and then N-1 one-token-per-sequence waves are timed; HF's decode time is t(generate N) - t(generate 1),
+the same N-1 tokens per sequence. tok/s = B * (N - 1) / seconds, median (and best) over repeats. Repeats
+are the outer loop with ours and HF alternating inside it, so both share a noisy machine's load; tok/s
+per process-CPU second is reported too (the load-robust figure when run with --threads 1). The roofline
+is the memory-bound ceiling: one full weight read per step at the measured copy bandwidth. The last line
+printed is one JSON object with every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Run as `python bench/step.py`, this file's folder leads sys.path and its bench/mesh.py would shadow the `mesh`
+# package: take it off before importing anything of the project.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch  # noqa: E402
+
+from mesh.cli import resolve_model  # noqa: E402
+from mesh.config import DTYPE_BYTES, ModelConfig, StationSpec  # noqa: E402
+from mesh.params import SamplingParams  # noqa: E402
+from mesh.wave import WaveEntry  # noqa: E402
+from station.kv import DEFAULT_BLOCK_TOKENS, blocks_for  # noqa: E402
+from station.step import Station  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's command line (`--quick` shrinks it to a smoke test)."""
+    p = argparse.ArgumentParser(prog="mesh bench step", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="HF checkpoint dir (default: the built-in `bench` preset)")
+    p.add_argument("--batches", default="1,4,16,32", help="comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=32, help="tokens generated per sequence (N >= 2)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    p.add_argument("--quick", action="store_true", help="batches 1,4; steps 8; repeats 1")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.batches, a.steps, a.repeats = "1,4", 8, 1
+    a.batches = [int(b) for b in a.batches.split(",") if b.strip()]
+    if a.steps < 2 or a.prompt_len < 1 or a.repeats < 1 or not a.batches or min(a.batches) < 1:
+        p.error("need --steps >= 2, --prompt-len >= 1, --repeats >= 1 and batches >= 1")
+    return a
+
+
+def prompts(batch: int, length: int, vocab: int) -> torch.Tensor:
+    """Distinct deterministic prompt ids [B, P] (ids 3.. avoid the special tokens)."""
+    g = torch.Generator().manual_seed(1234 + batch)
+    return torch.randint(3, vocab, (batch, length), generator=g)
+
+
+def _sync(device: str) -> None:
+    """Wait for queued GPU work so timers see it (no-op on CPU)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _clock() -> tuple[float, float]:
+    """(wall, process CPU) seconds; CPU time is robust to other processes only at --threads 1."""
+    return time.perf_counter(), time.process_time()
+
+
+def _since(t0: tuple[float, float]) -> tuple[float, float]:
+    """(wall, cpu) seconds elapsed since a _clock() reading."""
+    now = _clock()
+    return now[0] - t0[0], now[1] - t0[1]
+
+
+def run_ours(station: Station, ids: torch.Tensor, steps: int, device: str) -> tuple[tuple[float, float], list[int]]:
+    """Prefill B prompts (untimed, yields token 1), then time steps-1 decode waves; ((wall, cpu) s, seq 0's tokens)."""
+    b, p = ids.shape
+    seqs = list(range(b))
+    out = station.forward(tuple(WaveEntry(s, 0, p, GREEDY) for s in seqs), token_ids=ids.reshape(-1))
+    tokens = [[t.token_id] for t in out.samples]
+    _sync(device)
+    t0 = _clock()
+    for step in range(1, steps):
+        entries = tuple(WaveEntry(s, p + step - 1, 1, GREEDY) for s in seqs)
+        out = station.forward(entries, token_ids=torch.tensor([tok[-1] for tok in tokens]))
+        for tok, sample in zip(tokens, out.samples):
+            tok.append(sample.token_id)
+    _sync(device)
+    seconds = _since(t0)
+    station.release(seqs)
+    return seconds, tokens[0]
+
+
+def run_hf(model, ids: torch.Tensor, n: int, device: str) -> tuple[tuple[float, float], list[int]]:
+    """(wall, cpu) seconds of one greedy HF `generate` of exactly n new tokens per row (no EOS stop), seq 0's tokens."""
+    _sync(device)
+    t0 = _clock()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                             min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    _sync(device)
+    return _since(t0), out[0, ids.shape[1]:].tolist()
+
+
+def bench_decode(station: Station, hf_model, args: argparse.Namespace) -> dict[str, object]:
+    """Decode tok/s (median and best of repeats, and per CPU second) for ours at every batch, HF at 1 and 16.
+
+    Repeats are the outer loop and ours/HF alternate inside it, so on a shared, noisy machine both sides
+    see the same load. HF decode seconds = t(generate N) - t(generate 1).
+    """
+    vocab, n, dev = station.config.vocab_size, args.steps, args.device
+    warm = prompts(1, args.prompt_len, vocab)
+    run_ours(station, warm, min(n, 4), dev)
+    hf_batches = [b for b in (1, 16) if b in args.batches] if hf_model is not None else []
+    if hf_batches:
+        run_hf(hf_model, warm.to(dev), 2, dev)
+    ours_t = {b: [] for b in args.batches}
+    hf_tn, hf_t1 = {b: [] for b in hf_batches}, {b: [] for b in hf_batches}
+    tokens = {}
+    for _ in range(args.repeats):
+        for b in args.batches:
+            ids = prompts(b, args.prompt_len, vocab)
+            secs, tokens[("ours", b)] = run_ours(station, ids, n, dev)
+            ours_t[b].append(secs)
+            if b in hf_batches:
+                secs, tokens[("hf", b)] = run_hf(hf_model, ids.to(dev), n, dev)
+                hf_tn[b].append(secs)
+                hf_t1[b].append(run_hf(hf_model, ids.to(dev), 1, dev)[0])
+
+    def rate(b: int, secs: float) -> float | None:
+        return b * (n - 1) / secs if secs > 0 else None  # None: noise swamped the HF subtraction
+
+    def ours_rate(pick, i: int) -> dict[str, float | None]:
+        return {str(b): rate(b, pick([t[i] for t in ts])) for b, ts in ours_t.items()}
+
+    def hf_rate(pick, i: int) -> dict[str, float | None]:
+        return {str(b): rate(b, pick([t[i] for t in hf_tn[b]]) - pick([t[i] for t in hf_t1[b]])) for b in hf_batches}
+
+    med, best = statistics.median, min
+    return {
+        "ours_tok_s": ours_rate(med, 0), "ours_tok_s_best": ours_rate(best, 0), "ours_tok_s_cpu": ours_rate(med, 1),
+        "hf_tok_s": hf_rate(med, 0), "hf_tok_s_best": hf_rate(best, 0), "hf_tok_s_cpu": hf_rate(med, 1),
+        "b1_tokens_match_hf": tokens[("ours", 1)] == tokens[("hf", 1)] if 1 in hf_batches else None,
+    }
+
+
+def bandwidth_gb_s(device: str, mib: int = 256, repeats: int = 7) -> float:
+    """Memory bandwidth in GB/s: median time of dst.copy_(src) on a `mib` MiB float32 tensor (read + write)."""
+    src = torch.rand(mib * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / statistics.median(times[1:]) / 1e9
+
+
+def machine() -> dict[str, object]:
+    """CPU model, cores, torch threads and version (and the GPU when there is one)."""
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    m = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        m["gpu"] = torch.cuda.get_device_name()
+    return m
+
+
+def _ratio(fig: dict, kind: str, k: str) -> float | None:
+    """ours / HF of one kind of rate at batch k, None where HF was not measured."""
+    hf = fig[f"hf_tok_s_{kind}"].get(k)
+    return fig[f"ours_tok_s_{kind}"][k] / hf if hf and k in fig[f"ours_tok_s_{kind}"] else None
+
+
+def _fmt(v: float | None) -> str:
+    """A rate for the table ('-' when not measured)."""
+    return "-" if v is None else f"{v:,.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every measurement, print the table and the figures, and end with one JSON line."""
+    args = parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model, "bench")
+    cfg = ModelConfig.from_dir(model_dir)
+    layers = cfg.num_hidden_layers
+    block_bytes = DEFAULT_BLOCK_TOKENS * 2 * layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[args.dtype]
+    kv_need = (max(args.batches) * blocks_for(args.prompt_len + args.steps, DEFAULT_BLOCK_TOKENS) + 1) * block_bytes
+    kv_bytes = max(kv_need, StationSpec(layers=(0, layers)).kv_bytes)
+    station = Station(model_dir, StationSpec(layers=(0, layers), dtype=args.dtype, device=args.device,
+                                             kv_bytes=kv_bytes))
+    print(f"model {model_dir} ({layers} layers, {args.dtype}, {args.device}); prompt {args.prompt_len}, "
+          f"{args.steps} tokens/seq (decode timed over {args.steps - 1}), {args.repeats} repeats", file=sys.stderr)
+
+    hf_model = None
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+        hf_model = hf_model.to(args.device).eval()
+    bw = bandwidth_gb_s(args.device)
+    fig = bench_decode(station, hf_model, args)
+    ours, hf = fig["ours_tok_s"], fig["hf_tok_s"]
+    weight_bytes = station.load_report.weight_bytes
+    embed_bytes = cfg.vocab_size * cfg.hidden_size * DTYPE_BYTES[args.dtype]
+    steps_s = bw * 1e9 / weight_bytes
+    roof = {str(b): b * steps_s for b in args.batches}
+
+    extra = [("ours best", "ours_tok_s_best"), ("HF best", "hf_tok_s_best"), ("ours/cpu-s", "ours_tok_s_cpu"),
+             ("HF/cpu-s", "hf_tok_s_cpu")]
+    print(f"\n{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>10} {'ours/HF':>8} {'roofline tok/s':>15} {'of roof':>8} "
+          + " ".join(f"{name:>10}" for name, _ in extra))
+    for b in args.batches:
+        k = str(b)
+        ratio = f"{ours[k] / hf[k]:.2f}x" if hf.get(k) else "-"
+        print(f"{b:>5} {_fmt(ours[k]):>11} {_fmt(hf.get(k)):>10} {ratio:>8} {_fmt(roof[k]):>15} "
+              f"{ours[k] / roof[k]:>7.1%} " + " ".join(f"{_fmt(fig[key].get(k)):>10}" for _, key in extra))
+    r1 = ours["1"] / hf["1"] if hf.get("1") else None
+    r16 = ours["16"] / hf["16"] if hf.get("16") else None
+    print(f"\nours b1 / HF b1: {'-' if r1 is None else f'{r1:.2f}x'}   "
+          f"ours b16 / HF static b16: {'-' if r16 is None else f'{r16:.2f}x'}   (wall-clock medians; tok/s per CPU "
+          "second, the cpu-s columns, is the load-robust figure at --threads 1)")
+    if fig["b1_tokens_match_hf"] is not None:
+        print(f"batch-1 greedy tokens identical to HF: {fig['b1_tokens_match_hf']}")
+    print(f"bandwidth {bw:.1f} GB/s; weights {weight_bytes / 2**20:.1f} MiB (embedding {embed_bytes / 2**20:.1f} MiB "
+          f"of it, only B rows read per step); roofline {steps_s:.1f} steps/s")
+    mach = machine()
+    print(f"machine: {mach['cpu']}, {mach['cores']} cores, torch {mach['torch']} with {mach['torch_threads']} threads"
+          f", load average {os.getloadavg()[0]:.2f}")
+    figures = {
+        **fig, "ratio_b1": r1, "ratio_b16": r16, **{f"ratio_b{b}_cpu": _ratio(fig, "cpu", str(b)) for b in (1, 16)},
+        "bandwidth_gb_s": bw, "weight_bytes": weight_bytes, "embed_bytes": embed_bytes,
+        "roofline_steps_s": steps_s, "roofline_tok_s": roof,
+        "roofline_fraction": {k: ours[k] / roof[k] for k in ours},
+        "prompt_len": args.prompt_len, "steps": args.steps, "repeats": args.repeats, "dtype": args.dtype,
+        "device": args.device, "model": str(model_dir), "machine": mach, "load_avg_1m": os.getloadavg()[0],
+    }
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

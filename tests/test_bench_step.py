@@ -1,0 +1,20 @@
+"""Smoke test: bench/step.py runs end to end on the tiny checkpoint (no timed assertions)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "step.py"
+
+
+def test_bench_step_quick_runs(tiny_llama):
+    """`bench/step.py --quick --no-hf` finishes and ends with a JSON line of positive decode rates."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_llama), "--quick", "--no-hf"],
+                          check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(figures["ours_tok_s"]) == {"1", "4"}
+    assert all(v > 0 for v in figures["ours_tok_s"].values())
+    assert figures["hf_tok_s"] == {} and figures["weight_bytes"] > 0 and figures["bandwidth_gb_s"] > 0
