@@ -190,9 +190,12 @@ class StationSpec:
     dtype: str = "float32"  # weights and activations
     kv_bytes: int = 256 * 2**20  # KV budget of this station in bytes
     num_gpus: float = 0.0  # Ray resource request
-    num_cpus: float = 1.0  # Ray resource request
+    num_cpus: float = 1.0  # Ray resource request (and the station's torch threads)
+    linear_backend: str = "auto"  # matmul kernel: auto (oneDNN on CPU when it works) | aten | onednn
 
     def __post_init__(self) -> None:
+        _require(self.linear_backend in ("auto", "aten", "onednn"),
+                 f"linear_backend: expected auto, aten or onednn, got {self.linear_backend!r}")
         _require(isinstance(self.layers, tuple) and len(self.layers) == 2
                  and all(isinstance(x, int) and not isinstance(x, bool) for x in self.layers),
                  f"layers must be [start, end] integers, got {self.layers!r}")

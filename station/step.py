@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mesh.config import ModelConfig, StationSpec
+from mesh.model.kernels import pick_linear, use_linear_kernel
 from mesh.model.loader import TORCH_DTYPES, load_range
 from mesh.sampling import sample_tokens
 from mesh.wave import SampledToken, WaveEntry, wave_rows
@@ -124,6 +125,7 @@ class Station:
         self.device = torch.device(spec.device)
         self.dtype = TORCH_DTYPES[spec.dtype]
         self.model, self.load_report = load_range(model_dir, self.config, spec.start, spec.end, spec.dtype, spec.device)
+        use_linear_kernel(self.model, pick_linear(spec.linear_backend, self.device, self.dtype))
         self.kv = KVPool(self.config, spec, block_tokens)
         self._forwards = self._rows = 0
         self._seconds = {"prefill": 0.0, "decode": 0.0}

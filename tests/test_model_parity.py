@@ -54,3 +54,20 @@ def test_arch_features_are_exercised(model_dirs):
     st = Station(model_dirs["qwen2"], StationSpec(layers=(0, 6)))
     assert st.model.model.layers["0"].self_attn.q_proj.bias is not None
     assert st.model.lm_head.weight.data_ptr() == st.model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("backend", ["aten", "auto"])
+def test_linear_backends_agree(tiny_llama, backend):
+    """Both matmul kernels give the reference's greedy tokens and logits within 1e-4 of each other."""
+    from mesh.model.kernels import onednn_linear, pick_linear
+
+    st = Station(tiny_llama, StationSpec(layers=(0, 6), linear_backend=backend))
+    kernel = st.model.model.layers["0"].mlp.up_proj.kernel
+    assert (kernel is None) if backend == "aten" else (kernel in (None, onednn_linear))
+    ref = Station(tiny_llama, StationSpec(layers=(0, 6), linear_backend="aten"))
+    entry = (WaveEntry(0, 0, len(PROMPT), SamplingParams()),)
+    a = st.forward(entry, token_ids=torch.tensor(PROMPT), want_logits=True).logits
+    b = ref.forward(entry, token_ids=torch.tensor(PROMPT), want_logits=True).logits
+    assert (a - b).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="linear_backend"):
+        pick_linear("blas", torch.device("cpu"), torch.float32)

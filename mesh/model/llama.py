@@ -66,6 +66,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose matmul kernel is chosen from outside (mesh.model.kernels); F.linear by default."""
+
+    kernel = None  # Callable[[x, weight, bias], out] | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+        if self.kernel is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.kernel(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 like the reference."""
 
@@ -89,10 +101,10 @@ class Attention(nn.Module):
         self.layer = layer
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         d = cfg.hidden_size
-        self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=cfg.o_bias)
+        self.q_proj = Linear(d, self.heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = Linear(d, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = Linear(d, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.heads * self.head_dim, d, bias=cfg.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """x [T, d] -> [T, d]."""
@@ -110,9 +122,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, d] -> [T, d]."""
@@ -157,7 +169,7 @@ class LlamaRange(nn.Module):
         self.cfg, self.start, self.end = cfg, start, end
         self.model = _Body(cfg, start, end)
         if self.is_last:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.inv_freq = rope_inv_freq(cfg, device="cpu")  # [D/2], a plain tensor: not a checkpoint key
 
     @property
