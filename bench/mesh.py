@@ -1,0 +1,323 @@
+"""Mesh benchmark: the in-process engine vs 1, 2 and 3 stations over Ray + gRPC, at 1 and 16 concurrent requests.
+
+    python bench/mesh.py [--model DIR] [--configs inproc,1,2,3] [--concurrency 1,16] [--prompt 32] [--tokens 32]
+                         [--max-seqs 16] [--repeats 3] [--dtype float32] [--quick]
+    mesh bench mesh ...  (same arguments)
+
+Configurations: `inproc` is an Engine over LocalLink(Station(full model)) in this process (torch's default
+threads); `N` is a Cluster of N Ray station actors (memory-aware layer split, plan_layers) driven over gRPC.
+A lone station gets every core (num_cpus = torch threads = cores); in an N-station pipeline each gets
+max(1, cores // N), so the stations do not oversubscribe the machine. Every configuration is started once and
+kept up; repeats are the outer loop and configurations alternate inside it, so all share the machine's load.
+
+One point: K equal requests (prompt P random ids, T output tokens, greedy, ignore_eos) submitted at once; wall
+time first submit -> last result; aggregate tok/s = K * T / wall (median over repeats). Every station link is
+wrapped to record, per forward call, the link's wall time (RPC round trip included), the station's own compute
+seconds (reported in each reply) and what crossed the wire (the protobuf ByteSize of each ForwardRequest,
+ForwardReply and ReleaseRequest, computed after the timed run). Per wave: wall / waves, the slowest station's
+compute / waves, and orchestration overhead = (wall - max station compute) / waves.
+Targets (reported, never asserted): 1 station over gRPC >= 0.9x in-process, and 2 pipelined stations >= 0.9x
+1 station, at the largest concurrency (16). The last line printed is one JSON object with every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Run as `python bench/mesh.py`, this file's folder leads sys.path and would shadow the `mesh` package (here and,
+# through Ray's driver path, in every station actor): take it off before importing anything of the project.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch
+
+from mesh.cli import resolve_model
+from mesh.cluster import MeshConfig, ModelSource, layer_weights, plan_layers
+from mesh.config import ModelConfig, SchedulerConfig, StationSpec
+from mesh.params import SamplingParams
+from mesh.proto import station_pb2 as pb
+from mesh.wire import encode_forward, samples_to_proto, tensor_to_proto
+from orchestrator.engine import Engine
+from orchestrator.pipeline import LocalLink
+from station.step import Station
+
+TARGET = 0.9  # 1 station over gRPC vs in-process, and 2 stations vs 1 station, at the top concurrency
+log = lambda msg: print(msg, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's command line (`--quick` shrinks it to a smoke test)."""
+    p = argparse.ArgumentParser(prog="mesh bench mesh", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="HF checkpoint dir (default: the built-in `bench` preset; `tiny` with --quick)")
+    p.add_argument("--configs", help="comma-separated: inproc and/or station counts (default inproc,1,2,3)")
+    p.add_argument("--concurrency", help="comma-separated request counts (default 1,16)")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--tokens", type=int, help="output tokens per request (default 32)")
+    p.add_argument("--max-seqs", type=int, default=16)
+    p.add_argument("--repeats", type=int, help="repeats of every point, median (default 3)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quick", action="store_true", help="defaults: tiny model, concurrency 1,4, 8 tokens, configs "
+                   "inproc,1,2, 1 repeat (explicit flags still win)")
+    a = p.parse_args(argv)
+    for name, full, quick in (("concurrency", "1,16", "1,4"), ("tokens", 32, 8), ("configs", "inproc,1,2,3",
+                                                                                   "inproc,1,2"), ("repeats", 3, 1)):
+        if getattr(a, name) is None:
+            setattr(a, name, quick if a.quick else full)
+    try:
+        a.concurrency = [int(k) for k in a.concurrency.split(",") if k.strip()]
+        a.configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+        bad = [c for c in a.configs if c != "inproc" and not (c.isdigit() and int(c) >= 1)]
+    except ValueError:
+        p.error("--concurrency: expected comma-separated integers")
+    if bad or not a.configs:
+        p.error(f"--configs: expected inproc and/or station counts >= 1, got {bad or 'nothing'}")
+    if not a.concurrency or min(a.concurrency + [a.prompt, a.tokens, a.max_seqs, a.repeats]) < 1:
+        p.error("concurrency, --prompt, --tokens, --max-seqs and --repeats must be >= 1")
+    return a
+
+
+class MeteredLink:
+    """A StationLink that records every forward: link wall time, the station's own seconds, what crossed the wire."""
+
+    def __init__(self, inner, remote: bool) -> None:
+        self.inner, self.remote = inner, remote
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero the counters (between timed runs)."""
+        self.calls, self.call_s, self.compute_s, self.release_s = 0, 0.0, 0.0, 0.0
+        self.sent: list[tuple] = []  # (wave_id, entries, token_ids, hidden, output) of remote calls
+        self.released: list[tuple[int, ...]] = []
+
+    def forward(self, wave_id, entries, token_ids, hidden):
+        """Run the wave on the wrapped link, timing it."""
+        t0 = time.perf_counter()
+        out = self.inner.forward(wave_id, entries, token_ids, hidden)
+        self.call_s += time.perf_counter() - t0
+        self.calls += 1
+        self.compute_s += out.seconds
+        if self.remote:
+            self.sent.append((wave_id, entries, token_ids, hidden, out))
+        return out
+
+    def release(self, seq_ids) -> None:
+        """Free KV on the wrapped link, timing it."""
+        t0 = time.perf_counter()
+        self.inner.release(seq_ids)
+        self.release_s += time.perf_counter() - t0
+        if self.remote:
+            self.released.append(tuple(seq_ids))
+
+    def kv(self):
+        """The wrapped link's KV figures."""
+        return self.inner.kv()
+
+    def describe(self) -> dict:
+        """The wrapped link's description."""
+        return self.inner.describe()
+
+    def wire_bytes(self) -> dict[str, int]:
+        """Protobuf bytes of what this link sent and received (0 in-process); call after the timed run."""
+        req = rep = hid = rel = 0
+        for wave_id, entries, ids, hidden, out in self.sent:
+            req += encode_forward(wave_id, entries, ids, hidden).ByteSize()
+            hid += 0 if hidden is None else hidden.numel() * hidden.element_size()
+            if out.hidden is not None:
+                rep += pb.ForwardReply(hidden=tensor_to_proto(out.hidden), forward_seconds=out.seconds).ByteSize()
+                hid += out.hidden.numel() * out.hidden.element_size()
+            else:
+                rep += pb.ForwardReply(samples=samples_to_proto(out.samples or []),
+                                       forward_seconds=out.seconds).ByteSize()
+        rel = sum(pb.ReleaseRequest(seq_ids=list(s)).ByteSize() for s in self.released)
+        return {"request": req, "reply": rep, "release": rel, "hidden_payload": hid}
+
+
+def station_specs(cfg: ModelConfig, count: int, dtype: str) -> tuple[StationSpec, ...]:
+    """`count` stations, memory-aware split, each with max(1, cores // count) CPUs (= its torch threads)."""
+    cpus = float(max(1, (os.cpu_count() or 1) // count))
+    ranges = plan_layers(cfg.num_hidden_layers, count, layer_weights(cfg, dtype))
+    return tuple(StationSpec(layers=r, dtype=dtype, num_cpus=cpus) for r in ranges)
+
+
+def jobs(k: int, prompt: int, vocab: int) -> list[list[int]]:
+    """K distinct prompts of equal length (ids 3.. avoid the special tokens)."""
+    rng = random.Random(1000 + k)
+    return [[rng.randrange(3, vocab) for _ in range(prompt)] for _ in range(k)]
+
+
+def run_point(engine: Engine, links: list[MeteredLink], prompts: list[list[int]], tokens: int) -> dict:
+    """Submit every prompt at once; wall time first submit -> last result, and where the time went per wave."""
+    engine.quiesce()
+    waves0 = engine.stats().waves
+    for link in links:
+        link.reset()
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    streams = [engine.submit(ids, params) for ids in prompts]
+    outs = [s.result(timeout=600)[0] for s in streams]
+    wall = time.perf_counter() - t0
+    if not engine.quiesce():
+        raise RuntimeError("the engine did not go idle after the run")
+    waves = engine.stats().waves - waves0
+    bad = [o.finish_reason for o in outs if o.finish_reason != "length"]
+    if bad:
+        raise RuntimeError(f"requests ended with {bad[:3]} instead of 'length'")
+    n = sum(len(o.token_ids) for o in outs)
+    compute = [link.compute_s for link in links]
+    wire = [link.wire_bytes() for link in links]
+    total = {key: sum(w[key] for w in wire) for key in ("request", "reply", "release", "hidden_payload")}
+    remote = links[0].remote
+    ms = lambda s: 1e3 * s / max(waves, 1)  # seconds -> ms per wave
+    return {
+        "tok_s": n / wall, "tokens": n, "seconds": wall, "waves": waves, "wall_ms_per_wave": ms(wall),
+        "station_compute_ms_per_wave": [ms(c) for c in compute],
+        "link_call_ms_per_wave": [ms(link.call_s) for link in links],
+        "release_ms_total": [1e3 * link.release_s for link in links],
+        "max_compute_ms_per_wave": ms(max(compute)),
+        "overhead_ms_per_wave": ms(wall - max(compute)),
+        "sum_compute_ms_per_wave": ms(sum(compute)),  # with one wave in flight (K=1) the stations run in series
+        "serial_overhead_ms_per_wave": ms(wall - sum(compute)),
+        "rpc_ms_per_call": ([1e3 * (link.call_s - link.compute_s) / max(link.calls, 1) for link in links]
+                            if remote else None),
+        "station_busy_fraction": [c / wall for c in compute],
+        "wire_bytes_per_wave": (total["request"] + total["reply"] + total["release"]) / max(waves, 1) if remote else 0,
+        "wire_bytes_per_wave_split": {k: v / max(waves, 1) for k, v in total.items()} if remote else None,
+        "outputs": [o.token_ids for o in outs],
+    }
+
+
+def machine() -> dict[str, object]:
+    """CPU model, cores, torch threads and version, load average at start."""
+    cpu = platform.processor() or "unknown"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
+def start_configs(args, model_dir: Path, cfg: ModelConfig, sched: SchedulerConfig, up: dict) -> None:
+    """Start every configuration into `up`: {name: (engine, metered links, station description, cluster or None)}."""
+    counts = [int(c) for c in args.configs if c != "inproc"]
+    if counts:
+        import ray
+
+        from mesh.launch import Cluster
+    if counts and not ray.is_initialized():
+        need = sum((os.cpu_count() or 1) if c == 1 else c * max(1, (os.cpu_count() or 1) // c) for c in counts)
+        ray.init(num_cpus=max(16, need + 2), include_dashboard=False, namespace="wavemesh-bench",
+                 logging_level="ERROR", log_to_driver=False)
+    for name in args.configs:
+        if name == "inproc":
+            spec = StationSpec(layers=(0, cfg.num_hidden_layers), dtype=args.dtype)
+            links = [MeteredLink(LocalLink(Station(model_dir, spec)), remote=False)]
+            desc = [{"layers": list(spec.layers), "torch_threads": torch.get_num_threads(), "where": "in-process"}]
+            up[name] = (Engine(links, cfg, sched, None), links, desc, None)
+            continue
+        specs = station_specs(cfg, int(name), args.dtype)
+        mesh_cfg = MeshConfig(model=ModelSource(path=str(model_dir)), dtype=args.dtype, stations=specs,
+                              scheduler=sched)
+        cluster = Cluster(mesh_cfg, model_dir, progress=log)
+        cluster.start()
+        links = [MeteredLink(link, remote=True) for link in cluster.engine.pipeline.links]
+        cluster.engine.switch_route(links)  # same stations, now metered
+        desc = [{"layers": list(s.layers), "num_cpus": s.num_cpus, "torch_threads": max(1, int(s.num_cpus)),
+                 "where": "ray+grpc"} for s in specs]
+        up[name] = (cluster.engine, links, desc, cluster)
+
+
+def stop_configs(up: dict) -> None:
+    """Stop every engine and cluster that was started, then the Ray this benchmark started."""
+    for engine, _, _, cluster in up.values():
+        if cluster is not None:
+            cluster.stop()
+        else:
+            engine.close()
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start every configuration, run the points, print the table, end with one JSON line."""
+    args = parse_args(argv)
+    mach = machine()
+    model_dir = resolve_model(args.model, "tiny" if args.quick else "bench")
+    cfg = ModelConfig.from_dir(model_dir)
+    sched = SchedulerConfig(max_seqs=args.max_seqs, max_wave_tokens=max(512, args.max_seqs),
+                            max_queue=max(256, *args.concurrency))
+    log(f"model {model_dir} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {args.dtype}, cpu); "
+        f"configs {args.configs}; K {args.concurrency}; prompt {args.prompt}, {args.tokens} tokens; "
+        f"{args.repeats} repeats")
+    up: dict[str, tuple] = {}
+    runs: dict[str, dict[int, list[dict]]] = {c: {k: [] for k in args.concurrency} for c in args.configs}
+    try:
+        start_configs(args, model_dir, cfg, sched, up)
+        for name, (engine, links, _, _) in up.items():  # warm-up: every wave shape once
+            run_point(engine, links, jobs(max(args.concurrency), args.prompt, cfg.vocab_size), 2)
+        for rep in range(args.repeats):
+            for name, (engine, links, _, _) in up.items():
+                for k in args.concurrency:
+                    r = run_point(engine, links, jobs(k, args.prompt, cfg.vocab_size), args.tokens)
+                    runs[name][k].append(r)
+                    log(f"[{rep + 1}/{args.repeats}] {name:>6} K={k:<3} {r['tok_s']:8.1f} tok/s "
+                        f"({r['waves']} waves, {r['wall_ms_per_wave']:.1f} ms/wave, "
+                        f"overhead {r['overhead_ms_per_wave']:.1f} ms/wave)")
+    finally:
+        stop_configs(up)
+
+    tok_s = {c: {str(k): statistics.median(r["tok_s"] for r in runs[c][k]) for k in args.concurrency}
+             for c in args.configs}
+    detail = {c: {str(k): {key: v for key, v in sorted(runs[c][k], key=lambda r: r["tok_s"])[len(runs[c][k]) // 2]
+                           .items() if key != "outputs"} for k in args.concurrency} for c in args.configs}
+    match = {c: (all(r["outputs"] == runs["inproc"][k][0]["outputs"] for k in args.concurrency for r in runs[c][k])
+                 if "inproc" in runs else None) for c in args.configs}
+    top = str(max(args.concurrency))
+
+    def target(a: str, b: str) -> dict:
+        got = tok_s[a][top] / tok_s[b][top] if a in tok_s and b in tok_s else None
+        return {"want": TARGET, "at_concurrency": int(top), "got": got, "met": None if got is None else got >= TARGET}
+
+    targets = {"grpc1_vs_inproc": target("1", "inproc"), "pipe2_vs_grpc1": target("2", "1")}
+
+    print(f"\n{'config':>6} {'stations (layers x threads)':<30} {'K':>3} {'tok/s':>8} {'vs inproc':>9} {'waves':>5} "
+          f"{'ms/wave':>8} {'max comp':>8} {'sum comp':>8} {'overhead':>8} {'rpc/call':>8} {'wire KiB/w':>10}")
+    for c in args.configs:
+        st = " ".join(f"{d['layers'][0]}-{d['layers'][1]}x{d['torch_threads']}" for d in up[c][2])
+        for k in args.concurrency:
+            d, key = detail[c][str(k)], str(k)
+            rel = f"{tok_s[c][key] / tok_s['inproc'][key]:.2f}x" if "inproc" in tok_s else "-"
+            rpc = "-" if d["rpc_ms_per_call"] is None else f"{max(d['rpc_ms_per_call']):.2f}"
+            print(f"{c:>6} {st:<30} {k:>3} {tok_s[c][key]:>8.1f} {rel:>9} {d['waves']:>5} "
+                  f"{d['wall_ms_per_wave']:>8.2f} {d['max_compute_ms_per_wave']:>8.2f} "
+                  f"{d['sum_compute_ms_per_wave']:>8.2f} {d['overhead_ms_per_wave']:>8.2f} {rpc:>8} "
+                  f"{d['wire_bytes_per_wave'] / 1024:>10.1f}")
+    print("(ms per wave; max comp = the slowest station's own compute, sum comp = all stations' (the floor when "
+          "waves cannot overlap, as at K=1); overhead = wall/wave - max comp; rpc/call = link call - station "
+          "compute, worst station; wire = protobuf bytes of requests, replies and releases per wave)")
+    for name, t in targets.items():
+        got = "not measured" if t["got"] is None else f"{t['got']:.2f}x ({'met' if t['met'] else 'NOT met'})"
+        print(f"target {name} >= {TARGET}x at K={top}: {got}")
+    if "inproc" in tok_s:
+        print(f"greedy tokens identical to in-process: {match}")
+    print(f"machine: {mach['cpu']}, {mach['cores']} cores, torch {mach['torch']} (driver {mach['torch_threads']} "
+          f"threads), load {mach['loadavg_1m']} at start, {os.getloadavg()[0]:.2f} at end")
+    figures = {
+        "tok_s": tok_s, "detail": detail, "targets": targets, "tokens_match_inproc": match,
+        "stations": {c: up[c][2] for c in args.configs}, "concurrency": args.concurrency, "prompt": args.prompt,
+        "tokens": args.tokens, "max_seqs": args.max_seqs, "repeats": args.repeats, "dtype": args.dtype,
+        "model": str(model_dir), "machine": mach, "loadavg_1m_end": os.getloadavg()[0],
+    }
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""Smoke test: bench/mesh.py runs end to end on the tiny checkpoint over local Ray (no timed assertions)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "mesh.py"
+
+
+def test_bench_mesh_quick_runs(tiny_llama):
+    """`bench/mesh.py --quick` (in-process, 1 and 2 stations over gRPC) ends with a JSON line of positive tok/s."""
+    pytest.importorskip("ray")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_llama), "--quick"],
+                          check=False, capture_output=True, text=True, timeout=230, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(figures["tok_s"]) == {"inproc", "1", "2"}
+    assert all(set(by_k) == {"1", "4"} and all(v > 0 for v in by_k.values()) for by_k in figures["tok_s"].values())
+    assert all(figures["tokens_match_inproc"].values())
+    two = figures["detail"]["2"]["4"]
+    assert two["waves"] > 0 and two["wire_bytes_per_wave"] > 0 and len(two["station_compute_ms_per_wave"]) == 2
+    assert figures["targets"]["grpc1_vs_inproc"]["got"] > 0 and figures["targets"]["pipe2_vs_grpc1"]["got"] > 0
