@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # pinned: this wheel is on disk as a CPU build; any other torch request downloads a multi-GB CUDA build
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: run test bench-step clean
+.PHONY: run test deps bench-step clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,7 +17,13 @@ $(BIN)/.installed: pyproject.toml
 run: $(BIN)/.installed
 	$(BIN)/mesh up
 
-test: $(BIN)/.installed
+# the status-page test drives headless Chromium (Debian's `chromium`); installed once, as root, if missing
+deps:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || \
+	  echo "deps: chromium is missing and could not be installed (needs root and apt-get); the browser test will skip"
+
+test: $(BIN)/.installed deps
 	$(BIN)/python -m pytest
 
 bench-step: $(BIN)/.installed

@@ -80,6 +80,31 @@ class RayConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StationTls:
+    """PEM bytes for mutual TLS between orchestrator and stations: this side's cert and key, the cluster CA.
+
+    A station presents a certificate for `server_name` (a DNS SAN), which the client checks in place of
+    the address's host, so one certificate serves stations on any node; both sides must chain to `ca`.
+    """
+
+    cert: bytes
+    key: bytes
+    ca: bytes
+    server_name: str = "wavemesh-station"
+
+    @classmethod
+    def from_files(cls, cert: str | Path, key: str | Path, ca: str | Path) -> StationTls:
+        """Read the three PEM files (ConfigError naming the one that cannot be read)."""
+        pems = []
+        for name, path in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)):
+            try:
+                pems.append(Path(path).expanduser().read_bytes())
+            except OSError as e:
+                raise ConfigError(f"cluster.{name}: cannot read {path}: {e.strerror or e}") from None
+        return cls(*pems)
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """How the orchestrator and the stations talk to each other."""
 
@@ -90,6 +115,9 @@ class ClusterConfig:
     targets_file: str | None = None  # Prometheus file_sd targets written here (None: not written)
     restart_timeout_s: float = 120.0  # how long a lost station may take to come back before its requests end
     max_restarts: int = 3  # Ray restarts of one station actor
+    tls_cert: str | None = None  # PEM certificate (SAN DNS:wavemesh-station) for mutual TLS (all three or none)
+    tls_key: str | None = None  # its PEM private key
+    tls_ca: str | None = None  # PEM CA bundle both sides' certificates must chain to
 
     def __post_init__(self) -> None:
         _require(_is_num(self.call_timeout_s) and self.call_timeout_s > 0,
@@ -101,10 +129,24 @@ class ClusterConfig:
         _require(_is_int(self.max_restarts) and self.max_restarts >= 0,
                  f"cluster.max_restarts: must be an integer >= 0, got {self.max_restarts!r}")
         _require(isinstance(self.station_host, str) and self.station_host != "", "cluster.station_host: empty")
-        for name in ("token", "targets_file"):
+        for name in ("token", "targets_file", "tls_cert", "tls_key", "tls_ca"):
             v = getattr(self, name)
             _require(v is None or (isinstance(v, str) and v != ""),
                      f"cluster.{name}: expected a non-empty string or null")
+        _require(self.token is None or (self.token.isascii() and self.token.isprintable()),
+                 "cluster.token: must be printable ASCII (it travels as gRPC metadata)")
+        tls = {n: getattr(self, n) for n in ("tls_cert", "tls_key", "tls_ca")}
+        given, missing = [n for n, v in tls.items() if v is not None], [n for n, v in tls.items() if v is None]
+        _require(not (given and missing), f"cluster.{given[0] if given else ''}: needs {' and '.join(missing)} too "
+                 "(mutual TLS takes tls_cert, tls_key and tls_ca: all three or none)")
+        for name, v in tls.items():
+            _require(v is None or Path(v).expanduser().is_file(), f"cluster.{name}: {v} is not a file")
+
+    def tls(self) -> StationTls | None:
+        """The mutual-TLS material read from tls_cert / tls_key / tls_ca, or None when not configured."""
+        if self.tls_cert is None:
+            return None
+        return StationTls.from_files(self.tls_cert, self.tls_key, self.tls_ca)
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,9 +330,10 @@ _SCHEMA = {  # section: {key: kind}
     "api": {"host": "str", "port": "int", "api_key": "opt_str", "model_name": "opt_str", "max_n": "pos_int"},
     "cluster": {"token": "opt_str", "station_host": "str", "call_timeout_s": "pos_num",
                 "shutdown_timeout_s": "nonneg_num", "targets_file": "opt_str",
-                "restart_timeout_s": "pos_num", "max_restarts": "nonneg_int"},
+                "restart_timeout_s": "pos_num", "max_restarts": "nonneg_int",
+                "tls_cert": "opt_str", "tls_key": "opt_str", "tls_ca": "opt_str"},
     "station": {"layers": "layers", "device": "str", "dtype": "str", "kv_bytes": "size",
-                "num_gpus": "nonneg_num", "num_cpus": "nonneg_num"},
+                "num_gpus": "nonneg_num", "num_cpus": "nonneg_num", "linear_backend": "str"},
 }
 _TOP = ("ray", "model", "dtype", "device", "kv_bytes", "stations", "scheduler", "api", "cluster")
 

@@ -59,7 +59,8 @@ class Cluster:
                 ray.init(address=self.config.ray.address, **kw)
             self._owns_ray = True
         self._launch(self.specs)
-        self.engine = Engine([self._links[s] for s in self.specs], self.model, self.config.scheduler, tokenizer)
+        self.engine = Engine([self._links[s] for s in self.specs], self.model, self.config.scheduler, tokenizer,
+                             recover=self.recover)
 
     def stop(self) -> None:
         """Stop the engine and every station actor (and Ray, if this cluster started it)."""
@@ -125,13 +126,48 @@ class Cluster:
             self._generation += 1
         return specs
 
+    def recover(self, links) -> list:
+        """Bring the current route back after a failed call: keep stations that answer, wait for Ray to
+        restart dead ones, and restart hung ones (a stopped process is not restarted by Ray on its own).
+        Raises when a station is not back within `cluster.restart_timeout_s` (or has no restarts left)."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        from orchestrator.remote import RemoteLink
+        from station.actor import station_address
+
+        timeout = self.config.cluster.restart_timeout_s
+        with self._scale_lock:
+            for spec in self.specs:
+                link, handle = self._links[spec], self._actors[spec]
+                if link.client.health():
+                    continue  # answering: a lost call, not a lost station
+                try:
+                    address = station_address(handle, timeout_s=min(5.0, timeout))
+                except GetTimeoutError:
+                    address = None  # the actor does not answer Ray either: hung
+                if address is None or address == link.address:
+                    self.progress(f"station [{spec.start}, {spec.end}) at {link.address} does not answer: restarting it")
+                    ray.kill(handle, no_restart=False)
+                    address = station_address(handle, timeout_s=timeout)
+                link.close()
+                self._links[spec] = RemoteLink(address, timeout_s=self.config.cluster.call_timeout_s)
+                self.progress(f"station [{spec.start}, {spec.end}) is back at {address}")
+            return [self._links[s] for s in self.specs]
+
     # ---- status ----------------------------------------------------------------------------------
     def status(self) -> dict:
         """Stations (layer ranges, addresses, health, KV), and the engine's queues and waves."""
+        import ray
+
         stations = []
         for i, spec in enumerate(self.specs):
             d = self._links[spec].describe()
-            d.update(index=i, num_gpus=spec.num_gpus)
+            try:
+                pid = ray.get(self._actors[spec].pid.remote(), timeout=2)
+            except Exception:  # noqa: BLE001 - a station that is down has no pid to report
+                pid = None
+            d.update(index=i, num_gpus=spec.num_gpus, pid=pid)
             stations.append(d)
         return {"model": self.model_dir.name, "num_layers": self.model.num_hidden_layers,
                 "route_generation": self._generation, "stations": stations}
@@ -145,7 +181,8 @@ class Cluster:
         handles = {}
         for spec in specs:
             self.progress(f"station [{spec.start}, {spec.end}) on {spec.device}/{spec.dtype}: loading")
-            handles[spec] = create_station(self.model_dir, spec, host=self.config.cluster.station_host)
+            handles[spec] = create_station(self.model_dir, spec, host=self.config.cluster.station_host,
+                                           max_restarts=self.config.cluster.max_restarts)
         for spec, handle in handles.items():
             address = station_address(handle, timeout_s=600)
             self._actors[spec] = handle

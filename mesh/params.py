@@ -61,7 +61,7 @@ def _is_int(v: object) -> bool:
 
 
 def _is_num(v: object) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))  # an int is finite (isfinite(10**400) raises)
 
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",

@@ -3,14 +3,18 @@
 The API process is the orchestrator: it owns the Cluster (Ray actors + engine)
 and serves the OpenAI routes, `/v1/status`, `/metrics`, and the admin routes
 that grow the mesh while it serves (`POST /admin/scale`, `POST /admin/add-station`).
+With `cluster.targets_file` set it keeps a Prometheus file_sd targets file naming the
+orchestrator and every station's metrics endpoint, rewritten after each growth.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -27,8 +31,53 @@ def chat_template(model_dir: Path) -> str:
     return json.loads(p.read_text()).get("chat_template") or ""
 
 
+def _advertised(host: str) -> str:
+    """A host others can reach: the node's IP when `host` is a wildcard interface."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - no Ray here: the host name is the best guess
+        return socket.gethostname()
+
+
+def file_sd_targets(config: MeshConfig, status: dict) -> list[dict]:
+    """Prometheus file_sd groups: the orchestrator's /metrics and every station's metrics endpoint."""
+    host = _advertised(config.api.host)
+    api = f"[{host}]:{config.api.port}" if ":" in host else f"{host}:{config.api.port}"
+    groups = [{"targets": [api], "labels": {"job": "wavemesh-orchestrator"}}]
+    for st in status.get("stations", []):
+        if st.get("metrics_address"):
+            a, b = st["layers"]
+            groups.append({"targets": [st["metrics_address"]], "labels": {
+                "job": "wavemesh-station", "station_index": str(st["index"]), "layers": f"{a}-{b}"}})
+    return groups
+
+
+def write_targets(cluster, config: MeshConfig) -> None:
+    """Rewrite `cluster.targets_file` (if set) atomically: a temp file in its folder, then a rename."""
+    if config.cluster.targets_file is None:
+        return
+    path = Path(config.cluster.targets_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(file_sd_targets(config, cluster.status()), indent=2) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; Prometheus may run as another user
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def build_app(cluster, config: MeshConfig):
-    """The API over a started cluster, with the admin routes that scale it."""
+    """The API over a started cluster, with the admin routes that scale it (and rewrite the targets file)."""
     from fastapi import Body
 
     from orchestrator.api import create_app
@@ -40,6 +89,13 @@ def build_app(cluster, config: MeshConfig):
     cluster.engine.on_wave = metrics.observe_wave
     app = create_app(cluster.engine, cluster.engine.tokenizer, chat_template(cluster.model_dir), name, config.api,
                      status_provider=cluster.status, metrics=metrics)
+    write_targets(cluster, config)
+
+    def refresh_targets() -> None:
+        try:
+            write_targets(cluster, config)
+        except OSError as e:  # the route changed all the same: say so rather than fail the call
+            print(f"wavemesh: cannot rewrite {config.cluster.targets_file}: {e}", file=sys.stderr, flush=True)
 
     def _specs(specs) -> dict:
         return {"stations": [{"layers": list(s.layers), "device": s.device, "num_gpus": s.num_gpus} for s in specs]}
@@ -51,9 +107,11 @@ def build_app(cluster, config: MeshConfig):
         if not isinstance(count, int) or isinstance(count, bool):
             raise ApiError(400, "stations: expected an integer", "stations")
         try:
-            return _specs(cluster.scale(count))
+            specs = cluster.scale(count)
         except ConfigError as e:
             raise ApiError(400, str(e), "stations") from None
+        refresh_targets()
+        return _specs(specs)
 
     @app.post("/admin/add-station")
     def add_station(body: dict = Body(...)) -> dict:
@@ -65,9 +123,11 @@ def build_app(cluster, config: MeshConfig):
         if gpus is not None and not (isinstance(gpus, (int, float)) and gpus >= 0):
             raise ApiError(400, "num_gpus: expected a number >= 0", "num_gpus")
         try:
-            return _specs(cluster.add_station(tuple(layers) if layers else None, gpus))
+            specs = cluster.add_station(tuple(layers) if layers else None, gpus)
         except ConfigError as e:
             raise ApiError(400, str(e), "layers") from None
+        refresh_targets()
+        return _specs(specs)
 
     return app
 

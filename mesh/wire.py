@@ -2,7 +2,7 @@
 
 Everything that arrives from the wire is checked here before a station touches it:
 a dtype name from a fixed list, a shape whose byte size equals the payload exactly,
-rows that match the entries, token ids inside the vocabulary, sampling values the
+rows that match the entries and are finite (no NaN / inf), token ids inside the vocabulary, sampling values the
 dataclasses accept. Any failure is a `WireError` whose message starts with the field
 (`hidden.shape[1]: ...`, `entries[3].sample.top_p: ...`), so the server can answer
 INVALID_ARGUMENT and keep serving. Tensor payloads are raw little-endian,
@@ -31,6 +31,8 @@ _DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 MAX_NDIM = 8  # no tensor on this wire has more dims; bounds the work a bad shape can cause
 _INT64_MAX = 2**63 - 1
 _INT32_MAX = 2**31 - 1
+_UINT32_MAX = 2**32 - 1
+_F32_TINY = float(np.finfo(np.float32).tiny)  # least positive normal float32
 
 
 class WireError(ValueError):
@@ -118,8 +120,11 @@ def entries_to_proto(entries: Sequence[WaveEntry]) -> list[pb.Entry]:
             msg = pb.Entry(seq_id=e.seq_id, start_pos=e.start_pos, n_tokens=e.n_tokens)
             if e.sample is not None:
                 s = e.sample
-                msg.sample.CopyFrom(pb.Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                                seed=s.seed, logprobs=s.logprobs))
+                # Every valid SamplingParams must travel: a top_k past uint32 means "all" as much as the
+                # vocabulary size does, and a top_p below float32's least normal keeps the top token alone,
+                # as top_p = 1.2e-38 does; float32 rounding would otherwise turn it into a refused 0.0.
+                msg.sample.CopyFrom(pb.Sampling(temperature=s.temperature, top_p=max(s.top_p, _F32_TINY),
+                                                top_k=min(s.top_k, _UINT32_MAX), seed=s.seed, logprobs=s.logprobs))
         except (ValueError, TypeError) as err:  # out of uint32/uint64 range
             raise WireError(f"entries[{i}]: {err}") from err
         out.append(msg)
@@ -265,4 +270,8 @@ def decode_forward(
         raise WireError(f"hidden.shape[0]: {shape[0]} rows, but the entries cover {rows} rows")
     hidden = proto_to_tensor(msg.hidden, expect_dtype=dtype, expect_shape=(rows, hidden_size),
                              max_bytes=rows * hidden_size * dtype_itemsize(dtype), field="hidden")  # [T, H]
+    finite = torch.isfinite(hidden).all(dim=-1)  # [T]: NaN / inf would poison every later layer and the sample
+    if not bool(finite.all()):
+        j = int((~finite).nonzero()[0, 0])
+        raise WireError(f"hidden[{j}]: holds NaN or infinite values; hidden rows must be finite")
     return msg.wave_id, entries, None, hidden

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP surface (FastAPI), a thin adapter over Engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`),
-GET /v1/models, GET /health (a real 1-token generation), GET /metrics, GET /v1/status.
+GET /v1/models, GET /health (a real 1-token generation), GET /metrics, GET /v1/status, and GET /
+(a live status page, one static HTML file that polls /v1/status; with an API key, open it as `/?key=<key>`).
 Bad input is a 400 naming the field (never a 5xx); a full queue is a 503 with Retry-After;
 with `config.api_key` every route but /health and /metrics needs `Authorization: Bearer <key>`.
 A client that goes away (streaming or not) cancels its request, so its KV is freed within a wave.
@@ -17,11 +18,13 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -37,6 +40,8 @@ __all__ = ["OPEN_PATHS", "create_app"]
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # the only routes served without the API key
 _CODES = {"never_fits": "context_length_exceeded", "queue_full": "queue_full", "invalid": "invalid_value"}
 _DISCONNECT_POLL_S = 0.25
+STATUS_PAGE = Path(__file__).with_name("status_page.html")
+QUERY_KEY_PATHS = frozenset({"/"})  # a browser opens these as `?key=<key>`; every other route needs the header
 
 
 class _BearerAuth:
@@ -51,12 +56,19 @@ class _BearerAuth:
             if path not in self._open:
                 header = dict(scope.get("headers") or ()).get(b"authorization", b"")
                 scheme, _, token = header.partition(b" ")
+                if path in QUERY_KEY_PATHS and scheme.lower() != b"bearer":
+                    scheme, token = b"bearer", _query_key(scope.get("query_string", b""))
                 if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
                     err = ApiError(401, "Missing or invalid API key: send `Authorization: Bearer <key>`",
                                    None, "invalid_api_key")
                     resp = JSONResponse(err.body(), 401, headers={"WWW-Authenticate": "Bearer"})
                     return await resp(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def _query_key(query_string: bytes) -> bytes:
+    """The `key` parameter of a URL query string (b"" when absent)."""
+    return (parse_qs(query_string.decode("latin-1")).get("key") or [""])[0].encode()
 
 
 class _Trace:
@@ -229,6 +241,13 @@ def create_app(engine, tokenizer, chat_template: str, model_name: str, config: A
         """Prometheus text exposition of the orchestrator's metrics."""
         return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE_LATEST)
 
+    status_page = STATUS_PAGE.read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def status_page_route() -> HTMLResponse:
+        """The live status page: stations, lanes, queue, waves in flight, tokens/s (it polls /v1/status)."""
+        return HTMLResponse(status_page, headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
+
     @app.get("/v1/status")
     async def status() -> dict[str, Any]:
         """Engine stats, plus what `status_provider()` reports (stations and the like)."""
@@ -246,13 +265,27 @@ def create_app(engine, tokenizer, chat_template: str, model_name: str, config: A
     return app
 
 
-async def _json_body(request: Request) -> Any:
-    """The parsed JSON body, or a 400 naming what is wrong with it."""
-    raw = await request.body()
+MAX_BODY_BYTES = 8 * 2**20  # a larger request body is refused (413) before it is parsed
+
+
+async def _json_body(request: Request, limit: int = MAX_BODY_BYTES) -> Any:
+    """The parsed JSON body, or a 400 naming what is wrong with it (413 past `limit` bytes, read no further)."""
+    too_large = ApiError(413, f"the request body exceeds {limit} bytes", None, "request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        body = json.loads(b"".join(chunks))
+        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate ("\ud800") has no UTF-8 form: refuse it here
+    except (ValueError, RecursionError) as err:  # bad JSON or UTF-8, too deeply nested, an int of > 4300 digits
         raise ApiError(400, f"the request body is not valid JSON: {err}", None, "invalid_json") from err
+    return body
 
 
 def _admission_error(err: AdmissionError) -> ApiError:

@@ -16,39 +16,18 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from mesh.config import ModelConfig, SchedulerConfig
 from mesh.params import SamplingParams
-from orchestrator.pipeline import Pipeline, StationLink
+from orchestrator.pipeline import Pipeline, StationDown, StationLink
+from orchestrator.plan import EngineStats
 from orchestrator.scheduler import AdmissionError, KVLimits, Scheduler, WavePlan
 from orchestrator.stream import CompletionOutput, RequestStream, StreamEvent, TextTracker, TokenLogprob
 
 __all__ = ["AdmissionError", "Engine", "EngineStats"]
 _WAKE, _STOP = object(), object()
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of the engine: queues, waves, token counts and rates, KV, outcomes."""
-
-    running: int
-    waiting: int
-    waves_in_flight: int
-    waves: int
-    wave_occupancy_last: float
-    wave_occupancy_mean: float
-    wave_occupancy_max: float
-    prefill_tokens: int
-    decode_tokens: int
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    kv_bytes_used: int
-    kv_bytes_total: int
-    preemptions: int
-    refusals: dict[str, int] = field(default_factory=dict)
-    finished: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -64,8 +43,12 @@ class Engine:
 
     def __init__(self, links: list[StationLink], model: ModelConfig, config: SchedulerConfig,
                  tokenizer=None, rate_window_s: float = 10.0,
-                 on_wave: Callable[[int, float, float], None] | None = None) -> None:
-        """`on_wave(rows, occupancy, seconds)` is called after each committed wave (metrics hook)."""
+                 on_wave: Callable[[int, float, float], None] | None = None,
+                 recover: Callable[[list[StationLink]], list[StationLink]] | None = None,
+                 recover_retry_s: float = 2.0) -> None:
+        """`on_wave(rows, occupancy, seconds)` is called after each committed wave (metrics hook).
+        `recover(links) -> links` brings a route whose station went down back (restarting it); without
+        it a station failure ends the requests of the failed wave."""
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.scheduler = Scheduler(config, self._limits(links), model.eos_token_ids)
         self.pipeline = Pipeline(links, self._on_wave_done)
@@ -79,6 +62,10 @@ class Engine:
         self._rate_window = rate_window_s
         self._closed = self._paused = False
         self.on_wave = on_wave
+        self._recover, self._recover_retry_s = recover, recover_retry_s
+        self._recovering = False
+        self.route_error: str | None = None  # why the route is down, while it cannot be rebuilt
+        self.recovery_seconds: list[float] = []  # how long each recovery took
         self._sent: dict[int, float] = {}  # wave id -> when it entered the pipeline
         self._thread = threading.Thread(target=self._run, name="wave-loop", daemon=True)
         self._thread.start()
@@ -96,6 +83,8 @@ class Engine:
         """Queue a request of `n` choices; raises AdmissionError (400 never fits / 503 queue full)."""
         if self._closed:
             raise AdmissionError("shutting_down", 503, "the engine is shutting down")
+        if self.route_error is not None:
+            raise AdmissionError("route_down", 503, f"a station is down and not back yet ({self.route_error})")
         request_id = request_id or uuid.uuid4().hex
         try:
             loop = asyncio.get_running_loop()
@@ -157,34 +146,71 @@ class Engine:
             prefill_tokens_per_s=(s.prefill_tokens - old[1]) / span if self._rates else 0.0,
             decode_tokens_per_s=(s.decode_tokens - old[2]) / span if self._rates else 0.0,
             kv_bytes_used=sum(k.bytes_used for k in kv), kv_bytes_total=sum(k.bytes_total for k in kv),
-            preemptions=s.preemptions, refusals=dict(s.refusals), finished=dict(s.finished))
+            preemptions=s.preemptions, refusals=dict(s.refusals), finished=dict(s.finished),
+            recovery_seconds=tuple(self.recovery_seconds), route_error=self.route_error)
 
     def switch_route(self, links: list[StationLink], timeout: float = 120.0) -> None:
         """Move serving onto a new chain of stations between waves. Waves in flight finish on the old
         route; then every live sequence is re-prefilled on the new one (counter-based sampling keeps
         its tokens unchanged) and the old stations release their KV. Streams only pause."""
-        limits = self._limits(links)
         with self._lock:
             self._paused = True
         try:
-            deadline = time.monotonic() + timeout
-            while True:
-                with self._lock:
-                    if self._in_flight == 0:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"waves still in flight after {timeout}s; route not switched")
-                time.sleep(0.002)
-            with self._lock:
-                old = self.pipeline
-                old.release(self.scheduler.rebase(limits))
-                old.barrier()
-                old.close()
-                self.pipeline = Pipeline(links, self._on_wave_done)
+            if not self._wait_idle(timeout):
+                raise TimeoutError(f"waves still in flight after {timeout}s; route not switched")
+            self._swap(links)
         finally:
             with self._lock:
-                self._paused = False
+                self._paused = self._recovering
             self._inbox.put(_WAKE)
+
+    def _wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._in_flight == 0:
+                    return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+
+    def _swap(self, links: list[StationLink]) -> None:
+        """With no wave in flight and planning paused: requeue every live sequence for re-prefill on `links`."""
+        limits = self._limits(links)
+        with self._lock:
+            old = self.pipeline
+            released = self.scheduler.rebase(limits)
+            self.pipeline = Pipeline(links, self._on_wave_done)
+        old.release(released)  # reused stations drop the old KV before the new pipeline sends a wave
+        old.barrier()
+        old.close()
+
+    def _begin_recovery(self) -> None:
+        """Under the lock: stop planning and rebuild the route in the background."""
+        if not self._recovering:
+            self._recovering = self._paused = True
+            threading.Thread(target=self._recovery, name="route-recovery", daemon=True).start()
+
+    def _recovery(self) -> None:
+        t0 = time.monotonic()
+        self._wait_idle(float("inf"))
+        while not self._closed:
+            try:
+                links = self._recover(list(self.pipeline.links))
+                self._swap(links)
+                break
+            except Exception as e:  # noqa: BLE001 - the station is not back: end what needed it, keep trying
+                with self._lock:
+                    if self.route_error is None:
+                        self.route_error = f"{type(e).__name__}: {e}"
+                        for seq_id in list(self._seq_owner):
+                            self._end(seq_id, "error", f"a station was lost and did not come back: {e}")
+                time.sleep(self._recover_retry_s)
+        with self._lock:
+            self._recovering = self._paused = False
+            self.route_error = None
+            self.recovery_seconds.append(time.monotonic() - t0)
+        self._inbox.put(_WAKE)
 
     def quiesce(self, timeout: float = 30.0) -> bool:
         """Wait until no wave is in flight and every queued release has reached the stations."""
@@ -243,6 +269,9 @@ class Engine:
         if error is not None:
             self.scheduler.abort_wave(plan)
             self._release(self.scheduler.take_releases())
+            if isinstance(error, StationDown) and self._recover is not None:
+                self._begin_recovery()  # its sequences stay live and are replayed on the rebuilt route
+                return
             for e in plan.entries:
                 self._end(e.seq_id, "error", f"station failed: {error}")
             return

@@ -13,7 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest,
+                               start_http_server)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -185,3 +186,9 @@ class StationMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of this station's metrics."""
         return generate_latest(self.registry)
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0):
+        """Serve this registry over HTTP (any path, e.g. /metrics) on host:port (0 = a free port) from a
+        daemon thread; returns the server: `.server_port` is the bound port, `.shutdown()` stops it."""
+        httpd, _ = start_http_server(port, addr=host, registry=self.registry)
+        return httpd

@@ -218,7 +218,7 @@ class RequestParser:
                 continue
             if name in ("max_tokens", "top_k", "seed") and isinstance(v, float) and v.is_integer():
                 v = int(v)
-            if name in ("temperature", "top_p") and isinstance(v, (int, float)) and not math.isfinite(v):
+            if name in ("temperature", "top_p") and isinstance(v, float) and not math.isfinite(v):
                 raise bad(name, f"must be a finite number, got {v!r}")
             kw[name] = v
         if _is_int(kw.get("top_k")) and kw["top_k"] == -1:

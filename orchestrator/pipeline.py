@@ -20,6 +20,12 @@ import torch
 from mesh.wave import SampledToken, WaveEntry
 
 
+class StationDown(RuntimeError):
+    """A station could not serve a wave: dead, hung past its deadline, or the call was lost.
+
+    The wave's effect at the stations is unknown, so the engine rebuilds the route's KV by replay."""
+
+
 @dataclass(frozen=True, slots=True)
 class LinkOutput:
     """What one station returned for a wave: hidden rows, or the last station's samples."""

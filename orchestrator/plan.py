@@ -1,7 +1,7 @@
-"""Value types of the scheduler's interface: limits, plans, token events, commit results, stats, refusals."""
+"""Value types of the orchestrator's interfaces: limits, plans, token events, commit results, stats, refusals."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mesh.wave import WaveEntry
 
@@ -85,3 +85,27 @@ class SchedulerStats:
     last_wave_entries: int = 0
     mean_wave_entries: float = 0.0
     max_wave_entries: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine: queues, waves, token counts and rates, KV, outcomes."""
+
+    running: int
+    waiting: int
+    waves_in_flight: int
+    waves: int
+    wave_occupancy_last: float
+    wave_occupancy_mean: float
+    wave_occupancy_max: float
+    prefill_tokens: int
+    decode_tokens: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    kv_bytes_used: int
+    kv_bytes_total: int
+    preemptions: int
+    refusals: dict[str, int] = field(default_factory=dict)
+    finished: dict[str, int] = field(default_factory=dict)
+    recovery_seconds: tuple[float, ...] = ()  # how long each rebuild of the route after a lost station took
+    route_error: str | None = None  # set while a lost station is not back (new requests get 503)

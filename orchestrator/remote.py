@@ -1,23 +1,39 @@
 """A station behind gRPC, as the pipeline sees it."""
 from __future__ import annotations
 
-from orchestrator.pipeline import LinkKV, LinkOutput
-from station.client import StationClient
+import grpc
+
+from mesh.cluster import StationTls
+from mesh.wire import WireError
+from orchestrator.pipeline import LinkKV, LinkOutput, StationDown
+from station.client import StationCallError, StationClient
+
+# a wave refused for what it is (a bug upstream), not for the station's state: replay would not help
+_WAVE_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 class RemoteLink:
     """A station behind gRPC (typically a Ray actor)."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0, max_message_bytes: int = 512 * 2**20) -> None:
-        self.client = StationClient(address, timeout_s, max_message_bytes)
+    def __init__(self, address: str, timeout_s: float = 30.0, max_message_bytes: int = 512 * 2**20, *,
+                 token: str | None = None, tls: StationTls | None = None) -> None:
+        """`token` / `tls`: the cluster token and mutual-TLS material every call to the station carries."""
+        self.client = StationClient(address, timeout_s, max_message_bytes, token=token, tls=tls)
         info = self.client.info()
         self.client.hidden_size, self.client.vocab_size = info.hidden_size, info.vocab_size
         self.address = address
         self._info = info
 
     def forward(self, wave_id, entries, token_ids, hidden) -> LinkOutput:
-        """Run the wave on the remote station."""
-        out = self.client.forward(wave_id, entries, token_ids=token_ids, hidden=hidden)
+        """Run the wave on the remote station; raises StationDown when the station failed the call."""
+        try:
+            out = self.client.forward(wave_id, entries, token_ids=token_ids, hidden=hidden)
+        except StationCallError as e:
+            if e.code in _WAVE_ERRORS:
+                raise
+            raise StationDown(f"station {self.address}: {e}") from e
+        except WireError as e:
+            raise StationDown(f"station {self.address} sent a malformed reply: {e}") from e
         return LinkOutput(out.hidden, out.samples, out.forward_seconds)
 
     def release(self, seq_ids) -> None:
@@ -25,8 +41,12 @@ class RemoteLink:
         self.client.release(list(seq_ids))
 
     def kv(self) -> LinkKV:
-        """KV geometry (fixed at start) and the current occupancy (one Info call)."""
-        info = self.client.info()
+        """KV geometry (fixed at start) and the current occupancy (one Info call; the last known when down)."""
+        try:
+            self._info = self.client.info()
+        except StationCallError:
+            pass
+        info = self._info
         return LinkKV(info.kv_blocks_total, info.block_tokens, info.kv_bytes_used, info.kv_bytes_total)
 
     def describe(self) -> dict:

@@ -97,6 +97,8 @@ class Scheduler:
 
         def put(seq: Sequence, n: int) -> None:
             nonlocal budget
+            if seq.replay:
+                assert seq.replay.pop(0) == n, "a replayed entry must keep its original size"
             end = seq.num_computed + n
             entries.append(WaveEntry(seq.seq_id, seq.num_computed, n,
                                      seq.params if end == seq.num_tokens else None))
@@ -104,6 +106,12 @@ class Scheduler:
             planned.add(seq.seq_id)
             budget -= n
 
+        decoding = sum(1 for s in ready if s.status is SequenceStatus.RUNNING and s.num_pending == 1)
+        for seq in ready:  # 0. a replayed chunk that would never fit beside the decodes goes first
+            if seq.status is SequenceStatus.RUNNING and seq.replay and budget - decoding < seq.replay[0] <= budget:
+                if self._fit_exact(seq, seq.replay[0], planned):
+                    put(seq, seq.replay[0])
+                break
         for seq in ready:  # 1. decode: one token for each decoding sequence
             if len(entries) >= cap or budget < 1:
                 break
@@ -114,6 +122,10 @@ class Scheduler:
             if len(entries) >= cap or budget < 1:
                 break
             if seq.status is SequenceStatus.RUNNING and seq.seq_id not in planned and seq.num_pending > 1:
+                if seq.replay:
+                    if seq.replay[0] <= budget and self._fit_exact(seq, seq.replay[0], planned):
+                        put(seq, seq.replay[0])
+                    continue
                 n = self._fit(seq, min(seq.num_pending, budget), planned)
                 if n:
                     put(seq, n)
@@ -122,8 +134,8 @@ class Scheduler:
                 seq = self._waiting.peek()
                 if seq is None:
                     break
-                n = min(seq.num_pending, budget, self._ledger.capacity(seq))
-                if n < 1:
+                n = min(seq.next_chunk(budget), self._ledger.capacity(seq))
+                if n < 1 or n > budget or (seq.replay and n != seq.replay[0]):
                     break
                 self._waiting.take(seq)
                 self._seqs.start_running(seq)
@@ -152,6 +164,16 @@ class Scheduler:
                 return 0
             self._preempt(victim)
 
+    def _fit_exact(self, seq: Sequence, want: int, planned: set[int]) -> bool:
+        """Reserve KV for exactly `want` more tokens (preempting newer sequences if need be), or nothing."""
+        while self._ledger.capacity(seq) < want:
+            victim = self._seqs.newest_victim(seq, planned)
+            if victim is None:
+                return False
+            self._preempt(victim)
+        self._ledger.reserve(seq, seq.num_computed + want)
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         """Drop `seq`'s KV and put it at the front of the waiting queue to be recomputed."""
         self._requeue(seq)
@@ -162,6 +184,7 @@ class Scheduler:
         self._ledger.release(seq)
         self._seqs.stop_running(seq)
         seq.num_computed = 0
+        seq.replay, seq.history = seq.history + seq.replay, []  # recompute with the same entry sizes
         seq.status = SequenceStatus.WAITING
         seq.skips = 0
         self._waiting.push_front(seq)
@@ -207,6 +230,7 @@ class Scheduler:
                 released.append(seq.seq_id)
                 continue
             seq.num_computed = entry.end_pos
+            seq.history.append(entry.n_tokens)
             if entry.sample is None:
                 continue
             seq.output_ids.append(sample.token_id)

@@ -48,6 +48,8 @@ class Sequence:
     skips: int = 0  # times a later request was admitted ahead of it (short-first ageing)
     preemptions: int = 0  # times its KV was dropped to make room
     finish_reason: str | None = None  # set once it finished (stop, length, cancelled, ...)
+    history: list[int] = field(default_factory=list)  # n_tokens of each committed entry (sums to num_computed)
+    replay: list[int] = field(default_factory=list)  # entry sizes still to recompute after its KV was dropped
 
     @property
     def request_id(self) -> str:
@@ -73,6 +75,11 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens not yet in the KV at the stations (1 while decoding)."""
         return self.num_tokens - self.num_computed
+
+    def next_chunk(self, budget: int) -> int:
+        """Rows its next entry wants: a replayed entry exactly as first computed (so the rebuilt KV is
+        bit-identical and its tokens cannot change), else as much of what is pending as the budget allows."""
+        return self.replay[0] if self.replay else min(self.num_pending, budget)
 
     def token_slice(self, start: int, stop: int) -> tuple[int, ...]:
         """Token ids at absolute positions [start, stop) of prompt + output."""

@@ -1,6 +1,8 @@
 """The Ray actor of one station (thin): loads the Station, owns its gRPC server, reports where it listens.
 
 Waves never pass through Ray: the orchestrator reads `address()` and talks gRPC.
+Each station also serves its own Prometheus endpoint (StationMetrics over the Station's
+stats and the servicer's wire bytes) on the same host, advertised in Info's `metrics_address`.
 Ray places the actor (num_cpus / num_gpus of the StationSpec) and restarts it when
 its process dies; a restarted actor reloads the weights, starts with an empty KV
 and listens on a NEW port, so callers re-read `address()` after a failure.
@@ -19,11 +21,16 @@ import torch
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from mesh.config import StationSpec
+from orchestrator.metrics import StationMetrics
 from station.kv import DEFAULT_BLOCK_TOKENS
 from station.server import ServerLimits, info_reply, start_server
 from station.step import Station
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def spec_from(spec: StationSpec | Mapping[str, Any]) -> StationSpec:
@@ -44,13 +51,28 @@ class StationActor:
         spec = spec_from(spec)
         torch.set_num_threads(max(1, int(spec.num_cpus)))  # Ray pins OMP threads to num_cpus; say so explicitly
         self.station = Station(model_dir, spec, block_tokens)
-        self.server = start_server(self.station, host=host, port=0, limits=limits or ServerLimits())
+        self.server = None
         advertised = ray.util.get_node_ip_address() if host in _WILDCARD_HOSTS else host
-        self._address = f"[{advertised}]:{self.server.port}" if ":" in advertised else f"{advertised}:{self.server.port}"
+        # the metrics endpoint starts first, so that Info can name it; it reads the servicer's wire bytes late
+        self._metrics_http = StationMetrics(self.station, wire=self._wire_bytes).serve(host, 0)
+        self._metrics_address = _host_port(advertised, self._metrics_http.server_port)
+        self.server = start_server(self.station, host=host, port=0, limits=limits or ServerLimits(),
+                                   metrics_address=self._metrics_address)
+        self._address = _host_port(advertised, self.server.port)
+
+    def _wire_bytes(self) -> dict[str, int]:
+        """Forward request / reply bytes counted by the gRPC servicer (zero before it starts)."""
+        if self.server is None:
+            return {"in": 0, "out": 0}
+        return dict(self.server.servicer.wire_bytes)
 
     def address(self) -> str:
         """The "host:port" the station's gRPC service listens on (new after every restart)."""
         return self._address
+
+    def metrics_address(self) -> str:
+        """The "host:port" of the station's Prometheus endpoint (new after every restart)."""
+        return self._metrics_address
 
     def ready(self) -> bool:
         """True once the weights are loaded and the server runs (the constructor has returned)."""
@@ -62,14 +84,17 @@ class StationActor:
 
     def info(self) -> dict[str, Any]:
         """The station's Info as a plain dict, plus its address and pid."""
-        reply = info_reply(self.station)
+        reply = info_reply(self.station, self._metrics_address)
         d = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
         d.update(address=self._address, pid=os.getpid())
         return d
 
     def shutdown(self, grace: float = 1.0) -> None:
-        """Stop the gRPC server (health goes NOT_SERVING first); the actor process stays until killed."""
+        """Stop the gRPC server (health goes NOT_SERVING first) and the metrics endpoint; the actor
+        process stays until killed."""
         self.server.stop(grace)
+        self._metrics_http.shutdown()
+        self._metrics_http.server_close()
 
 
 def create_station(model_dir: str | Path, spec: StationSpec, *, name: str | None = None, max_restarts: int = 3,

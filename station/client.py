@@ -5,6 +5,9 @@ Every call carries a deadline (`timeout_s`). A failed call raises
 wave (INVALID_ARGUMENT), a full KV (RESOURCE_EXHAUSTED) and a dead or slow
 station (UNAVAILABLE, DEADLINE_EXCEEDED) apart. Replies are validated with the
 wire functions before anything is returned; a malformed reply raises WireError.
+With `token`, every call (health included) carries `authorization: Bearer <token>`;
+with `tls`, the channel is mutual TLS and the station must present a certificate
+for `tls.server_name` signed by `tls.ca`.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mesh.cluster import StationTls
 from mesh.proto import station_pb2 as pb
 from mesh.proto import station_pb2_grpc
 from mesh.wave import SampledToken, WaveEntry, wave_rows
@@ -46,8 +50,12 @@ class StationClient:
     """Typed Forward / Release / Info / health calls to the station at `address` ("host:port")."""
 
     def __init__(self, address: str, timeout_s: float = 30.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 *, hidden_size: int | None = None, vocab_size: int | None = None) -> None:
-        """`hidden_size` / `vocab_size`, when given, are checked on every reply (shape, token ids)."""
+                 *, hidden_size: int | None = None, vocab_size: int | None = None, token: str | None = None,
+                 tls: StationTls | None = None) -> None:
+        """`hidden_size` / `vocab_size`, when given, are checked on every reply (shape, token ids).
+
+        `token`: the cluster token sent on every call; `tls`: this side's certificate, key and the CA.
+        """
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.address = address
@@ -56,13 +64,22 @@ class StationClient:
         self.vocab_size = vocab_size
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
-        self._channel = grpc.insecure_channel(address, options=options)
+        if token is not None and not (isinstance(token, str) and token and token.isascii() and token.isprintable()):
+            raise ValueError("token: must be a non-empty string of printable ASCII (it travels as gRPC metadata)")
+        self._metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
+        if tls is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
+                                                 certificate_chain=tls.cert)
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self._channel = grpc.secure_channel(address, creds, options=options)
         self._stub = station_pb2_grpc.StationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def _call(self, method: str, rpc, request):
         try:
-            return rpc(request, timeout=self.timeout_s)
+            return rpc(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
             raise StationCallError(method, err.code(), err.details() or "") from None
 
@@ -92,7 +109,8 @@ class StationClient:
     def health(self, service: str = "") -> bool:
         """True when the standard health service answers SERVING; False on any other status or failure."""
         try:
-            reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s)
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s,
+                                       metadata=self._metadata)
         except grpc.RpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING

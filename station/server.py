@@ -4,6 +4,7 @@ All validation lives in `mesh.wire` (message shape, dtypes, limits) and in
 `Station.forward` (positions, KV); this file only maps their errors to status codes:
 
     WireError, StepError -> INVALID_ARGUMENT     KVBudgetError -> RESOURCE_EXHAUSTED
+    unparsable bytes     -> INVALID_ARGUMENT     over the message limit -> RESOURCE_EXHAUSTED (gRPC)
     station busy         -> RESOURCE_EXHAUSTED   anything else -> INTERNAL (logged)
 
 and the server keeps serving after each. A station's KV is not thread-safe, so
@@ -11,9 +12,18 @@ Forward and Release hold one lock; the server still runs a thread pool so that
 Info and the standard gRPC health service answer while a long forward runs. At
 most `max_pending` lock-taking calls wait at once, which keeps workers free for
 health checks whatever a client sends.
+
+Internal auth: started with `token=...`, the server refuses every call without the
+metadata `authorization: Bearer <token>` (compared in constant time) with
+UNAUTHENTICATED, before the request is decoded. Only the standard health service
+(grpc.health.v1.Health) stays open, so Ray / Kubernetes probes work without the
+secret; it tells nothing but SERVING / NOT_SERVING. With `tls=StationTls(...)` the
+port speaks mutual TLS (client certificates required, health included); the token
+may be used with or without it. The server binds only `host` (default loopback).
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 from collections.abc import Callable
@@ -22,8 +32,10 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from mesh.cluster import StationTls
 from mesh.config import DTYPE_BYTES, ConfigError
 from mesh.proto import station_pb2 as pb
 from mesh.proto import station_pb2_grpc
@@ -34,6 +46,7 @@ from station.step import Station, StepError
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Station"].full_name  # "wavemesh.v1.Station"
+OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # method prefixes served without the cluster token
 GRPC_MAX_MESSAGE = 2**31 - 1  # gRPC counts message lengths in a signed int32
 _R = TypeVar("_R")
 
@@ -71,6 +84,66 @@ class StationBusy(RuntimeError):
     """Too many calls already hold or wait for the station."""
 
 
+class TokenAuth(grpc.ServerInterceptor):
+    """Refuse, with UNAUTHENTICATED, every call outside OPEN_SERVICES without `authorization: Bearer <token>`."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {check_token(token)}".encode()
+
+        def deny(request: bytes, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token "
+                          "(metadata `authorization: Bearer <token>`)")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)  # no deserializer: the request is never decoded
+
+    def intercept_service(self, continuation, handler_call_details):
+        """Pass health checks and calls carrying the token; answer all others with the refusal."""
+        if handler_call_details.method.startswith(OPEN_SERVICES):
+            return continuation(handler_call_details)
+        given = next((v for k, v in handler_call_details.invocation_metadata or () if k == "authorization"), "")
+        given = given.encode() if isinstance(given, str) else bytes(given)
+        if hmac.compare_digest(given, self._expected):
+            return continuation(handler_call_details)
+        return self._deny
+
+
+class StrictDecode(grpc.ServerInterceptor):
+    """Answer a Station request whose bytes do not parse with INVALID_ARGUMENT (gRPC's own answer is INTERNAL)."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        """Wrap the unary Station handlers so a parse failure reaches them as a refusal, not an exception."""
+        handler = continuation(handler_call_details)
+        if (handler is None or handler.unary_unary is None
+                or not handler_call_details.method.startswith(f"/{SERVICE_NAME}/")):
+            return handler
+        parse, behavior = handler.request_deserializer, handler.unary_unary
+
+        def safe_parse(data: bytes) -> object:
+            try:
+                return parse(data)
+            except DecodeError as err:  # a bad varint or length, invalid UTF-8 in a string, ...
+                return _Malformed(f"{type(err).__name__}: {err}")
+
+        def guarded(request, context: grpc.ServicerContext):
+            if isinstance(request, _Malformed):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid protobuf message: {request}")
+            return behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(guarded, request_deserializer=safe_parse,
+                                                   response_serializer=handler.response_serializer)
+
+
+class _Malformed(str):
+    """What StrictDecode hands on in place of a request that did not parse (the parser's message)."""
+
+
+def check_token(token: object) -> str:
+    """The token itself if it can travel as gRPC metadata (non-empty printable ASCII), else ValueError."""
+    if not (isinstance(token, str) and token and token.isascii() and token.isprintable()):
+        raise ValueError("cluster token: must be a non-empty string of printable ASCII")
+    return token
+
+
 class StationServicer(station_pb2_grpc.StationServicer):
     """Forward / Release / Info over one Station; error classes map to status codes."""
 
@@ -80,6 +153,8 @@ class StationServicer(station_pb2_grpc.StationServicer):
         self.metrics_address = metrics_address
         self._lock = threading.Lock()  # one station call at a time: the KV is not thread-safe
         self._pending = threading.BoundedSemaphore(limits.max_pending)
+        self.wire_bytes = {"in": 0, "out": 0}  # Forward request / reply bytes, read by the metrics endpoint
+        self._wire_lock = threading.Lock()
 
     def _exclusive(self, fn: Callable[[], _R]) -> _R:
         """Run fn holding the station lock; refuse with StationBusy when max_pending calls already wait."""
@@ -118,7 +193,14 @@ class StationServicer(station_pb2_grpc.StationServicer):
                 return pb.ForwardReply(hidden=tensor_to_proto(out.hidden), forward_seconds=out.seconds)
             return pb.ForwardReply(samples=samples_to_proto(out.samples or []), forward_seconds=out.seconds)
 
-        return self._guarded(context, "Forward", run)
+        self._count_wire("in", request.ByteSize())
+        reply = self._guarded(context, "Forward", run)
+        self._count_wire("out", reply.ByteSize())
+        return reply
+
+    def _count_wire(self, direction: str, nbytes: int) -> None:
+        with self._wire_lock:
+            self.wire_bytes[direction] += nbytes
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
         """Free the KV of the listed sequences; replies with how many were resident."""
@@ -171,20 +253,32 @@ class StationServer:
 
 
 def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limits: ServerLimits = ServerLimits(),
-                 metrics_address: str = "") -> StationServer:
-    """Serve `station` on host:port (0 = a free port); health is SERVING once this returns."""
+                 metrics_address: str = "", *, token: str | None = None,
+                 tls: StationTls | None = None) -> StationServer:
+    """Serve `station` on host:port (0 = a free port); health is SERVING once this returns.
+
+    `token`: Forward / Release / Info need `authorization: Bearer <token>` (health stays open).
+    `tls`: serve mutual TLS (clients must present a certificate signed by `tls.ca`).
+    """
     size = limits.message_bytes(station.config.hidden_size)
     options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
                ("grpc.so_reuseport", 0)]  # a port taken by another process is an error, not shared
+    interceptors = ([TokenAuth(token)] if token is not None else []) + [StrictDecode()]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.max_workers,
-                                                    thread_name_prefix="station-grpc"), options=options)
+                                                    thread_name_prefix="station-grpc"),
+                         options=options, interceptors=interceptors)
     servicer = StationServicer(station, limits, metrics_address)
     station_pb2_grpc.add_StationServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(bind)
+        if tls is None:
+            bound = server.add_insecure_port(bind)
+        else:
+            creds = grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
+                                                require_client_auth=True)
+            bound = server.add_secure_port(bind, creds)
     except RuntimeError as err:
         raise OSError(f"station server: cannot bind {bind}: {err}") from err
     if bound == 0:
@@ -192,5 +286,6 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
     server.start()
     for service in ("", SERVICE_NAME):  # the model is loaded: the Station exists
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("station [%d, %d) serving on %s:%d", station.spec.start, station.spec.end, host, bound)
+    log.info("station [%d, %d) serving on %s:%d%s%s", station.spec.start, station.spec.end, host, bound,
+             " (mTLS)" if tls else "", " (token)" if token is not None else "")
     return StationServer(server, health_servicer, servicer, host, bound)

@@ -359,3 +359,26 @@ def test_no_leak_after_random_mix(seed):
 def test_scheduler_does_not_import_torch():
     code = "import sys, orchestrator.scheduler; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_recompute_replays_the_original_entry_sizes():
+    """After a rebase (or preemption) a sequence's KV is rebuilt with exactly the entries that first built
+    it (prompt chunks, then one row per generated token), so the stations compute bit-identical KV."""
+    s = make(max_wave_tokens=16, max_seqs=4)
+    s.add(0, "r0", tuple(range(1, 40)), SamplingParams(max_tokens=6, ignore_eos=True))
+    seen: dict[int, list[int]] = {}
+    first = None
+    for _ in range(40):
+        plan = s.plan()
+        if plan is None:
+            break
+        for e in plan.entries:
+            seen.setdefault(e.seq_id, []).append(e.n_tokens)
+        s.commit(plan, fake_samples(plan))
+        if first is None and len(seen[0]) == 6:  # mid-stream: move to a new route
+            first = list(seen[0])
+            s.rebase(KVLimits(8192, 4096, 16))
+            seen[0] = []
+    assert first == [16, 16, 7, 1, 1, 1]
+    assert seen[0][: len(first)] == first and seen[0][len(first):] == [1, 1]  # replay, then the last 2 tokens
+    assert s.stats().running == 0 and s.stats().kv_blocks_used == 0

@@ -3,7 +3,9 @@
 On x86 CPUs torch's float32 `F.linear` goes to a BLAS whose kernels can be slow on
 some processors; oneDNN's linear (what torch's own compiler emits for CPU) reads
 the same weights faster there. `pick_linear` probes it once and falls back to
-`F.linear` when it is missing or disagrees.
+`F.linear` when it is missing or disagrees. F.linear stays the default: its
+results do not change with the thread count, while oneDNN's multi-threaded
+reductions do, which can flip a near-tie token between differently threaded routes.
 """
 from __future__ import annotations
 

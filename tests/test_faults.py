@@ -1,0 +1,213 @@
+"""Faults: lost calls, dead and hung stations. Every request completes with its reference tokens."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from mesh.config import ModelConfig, SchedulerConfig, StationSpec
+from mesh.params import SamplingParams
+from mesh.proto import station_pb2_grpc
+from orchestrator.engine import Engine
+from orchestrator.remote import RemoteLink
+from station.generate import generate_one
+from station.server import start_server
+from station.step import Station
+
+
+def jobs(n=16, max_tokens=24):
+    """Mixed greedy and seeded requests with mixed prompt lengths."""
+    prompts = [[1] + [(41 * i + 17 * j) % 500 + 5 for j in range(2 + (9 * i) % 25)] for i in range(n)]
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0 if i % 2 == 0 else 0.9,
+                             seed=900 + i) for i in range(n)]
+    return prompts, params
+
+
+def reference(model_dir, prompts, params):
+    """Each request run alone on one in-process full-model station."""
+    st = Station(model_dir, StationSpec(layers=(0, 6)))
+    return [generate_one(st, p, sp)[0] for p, sp in zip(prompts, params)]
+
+
+class _Injected(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "fault injected"
+
+
+class FaultInjector(grpc.UnaryUnaryClientInterceptor):
+    """Drops Forward requests (never sent) or responses (the station applied the wave) at random."""
+
+    def __init__(self, p_drop_request: float, p_drop_response: float, seed: int) -> None:
+        self.p_req, self.p_resp = p_drop_request, p_drop_response
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.dropped = {"request": 0, "response": 0}
+
+    def intercept_unary_unary(self, continuation, details, request):
+        if not details.method.endswith("/Forward"):
+            return continuation(details, request)
+        with self.lock:
+            roll = self.rng.random()
+        if roll < self.p_req:
+            self.dropped["request"] += 1
+            raise _Injected()
+        response = continuation(details, request)
+        response.result()  # the station has run the wave
+        if roll < self.p_req + self.p_resp:
+            self.dropped["response"] += 1
+            raise _Injected()
+        return response
+
+
+def test_dropped_requests_and_responses_keep_every_token(tiny_llama):
+    prompts, params = jobs()
+    ref = reference(tiny_llama, prompts, params)
+    servers = [start_server(Station(tiny_llama, StationSpec(layers=r))) for r in ((0, 2), (2, 6))]
+    injector = FaultInjector(0.04, 0.04, seed=7)
+    links = []
+    for srv in servers:
+        link = RemoteLink(srv.address, timeout_s=10)
+        link.client._stub = station_pb2_grpc.StationStub(grpc.intercept_channel(link.client._channel, injector))
+        links.append(link)
+    engine = Engine(links, ModelConfig.from_dir(tiny_llama), SchedulerConfig(max_seqs=16, max_wave_tokens=64),
+                    recover=lambda current: current)  # the stations never died: the same route comes back
+    try:
+        streams = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        outs = [s.result(timeout=300)[0] for s in streams]
+        assert [o.token_ids for o in outs] == ref
+        assert injector.dropped["request"] > 0 and injector.dropped["response"] > 0, injector.dropped
+        assert len(engine.recovery_seconds) > 0
+        assert engine.quiesce(30)
+        assert all(srv.servicer.station.kv.stats().blocks_used == 0 for srv in servers)  # no KV appended twice
+    finally:
+        engine.close()
+        for srv in servers:
+            srv.stop(0)
+
+
+def test_without_recovery_a_lost_call_ends_only_that_wave(tiny_llama):
+    prompts, params = jobs(4, max_tokens=8)
+    servers = [start_server(Station(tiny_llama, StationSpec(layers=(0, 6))))]
+    link = RemoteLink(servers[0].address, timeout_s=10)
+    link.client._stub = station_pb2_grpc.StationStub(
+        grpc.intercept_channel(link.client._channel, FaultInjector(1.0, 0.0, seed=1)))
+    engine = Engine([link], ModelConfig.from_dir(tiny_llama), SchedulerConfig(max_seqs=4))
+    try:
+        outs = [engine.submit(p, sp).result(timeout=60)[0] for p, sp in zip(prompts, params)]
+        assert all(o.finish_reason == "error" and "fault injected" in o.error for o in outs)
+        assert engine.quiesce(30)
+        s = engine.stats()
+        assert (s.running, s.waiting, s.kv_bytes_used) == (0, 0, 0)
+    finally:
+        engine.close()
+        servers[0].stop(0)
+
+
+# ---- station processes killed or stopped under a local Ray ------------------------------------------
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=16, include_dashboard=False, namespace="wavemesh-faults", logging_level="ERROR",
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _cluster(model_dir, **cluster_kw):
+    from mesh.cluster import ClusterConfig, MeshConfig, ModelSource
+    from mesh.launch import Cluster
+
+    cfg = MeshConfig(model=ModelSource(path=str(model_dir)),
+                     stations=(StationSpec(layers=(0, 2)), StationSpec(layers=(2, 6))),
+                     scheduler=SchedulerConfig(max_seqs=16, max_wave_tokens=64),
+                     cluster=ClusterConfig(**cluster_kw))
+    cluster = Cluster(cfg, model_dir, progress=lambda msg: None)
+    cluster.start()
+    return cluster
+
+
+def _pid(cluster, index):
+    return ray.get(cluster._actors[cluster.specs[index]].pid.remote(), timeout=30)
+
+
+def _when_streaming(engine, streams, tokens=40, timeout=60):
+    deadline = time.monotonic() + timeout
+    while engine.stats().decode_tokens < tokens and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(s.done for s in streams)
+
+
+def test_sigkill_station_mid_stream_recovers_every_token(local_ray, tiny_llama):
+    prompts, params = jobs(16, max_tokens=200)
+    ref = reference(tiny_llama, prompts, params)
+    cluster = _cluster(tiny_llama, call_timeout_s=5, restart_timeout_s=60)
+    try:
+        streams = [cluster.engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        _when_streaming(cluster.engine, streams)
+        old_pid = _pid(cluster, 1)
+        os.kill(old_pid, signal.SIGKILL)
+        outs = [s.result(timeout=300)[0] for s in streams]
+        assert [o.token_ids for o in outs] == ref
+        assert _pid(cluster, 1) != old_pid
+        recovery = cluster.engine.recovery_seconds
+        assert len(recovery) >= 1
+        print(f"\nrecovery after SIGKILL: {recovery[0]:.2f}s")
+        after = cluster.engine.submit(prompts[0], params[0]).result(timeout=120)[0]  # serves afterwards
+        assert after.token_ids == ref[0]
+    finally:
+        cluster.stop()
+
+
+def test_sigstop_station_is_detected_and_restarted(local_ray, tiny_llama):
+    prompts, params = jobs(8, max_tokens=200)
+    ref = reference(tiny_llama, prompts, params)
+    call_timeout = 3.0
+    cluster = _cluster(tiny_llama, call_timeout_s=call_timeout, restart_timeout_s=60)
+    try:
+        streams = [cluster.engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        _when_streaming(cluster.engine, streams)
+        pid = _pid(cluster, 0)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            outs = [s.result(timeout=300)[0] for s in streams]
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)  # in case it was not killed: never leave a stopped process
+            except ProcessLookupError:
+                pass
+        assert [o.token_ids for o in outs] == ref
+        assert _pid(cluster, 0) != pid
+        # detection is bounded by the call deadline plus the restart; far under the restart timeout
+        assert cluster.engine.recovery_seconds[0] < call_timeout + 60
+    finally:
+        cluster.stop()
+
+
+def test_station_with_no_restarts_left_ends_requests_and_refuses_new(local_ray, tiny_llama):
+    from orchestrator.engine import AdmissionError
+
+    prompts, params = jobs(4, max_tokens=400)
+    cluster = _cluster(tiny_llama, call_timeout_s=3, restart_timeout_s=5, max_restarts=0)
+    try:
+        streams = [cluster.engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        _when_streaming(cluster.engine, streams, tokens=20)
+        os.kill(_pid(cluster, 1), signal.SIGKILL)
+        t0 = time.monotonic()
+        outs = [s.result(timeout=120)[0] for s in streams]
+        assert all(o.finish_reason == "error" and "did not come back" in o.error for o in outs)
+        assert time.monotonic() - t0 < 3 + 5 + 30
+        with pytest.raises(AdmissionError) as refused:
+            cluster.engine.submit(prompts[0], params[0])
+        assert refused.value.status == 503
+    finally:
+        cluster.stop()

@@ -1,0 +1,82 @@
+"""A station's own Prometheus endpoint: the StationActor class run in-process (no Ray), driven over gRPC."""
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from mesh.config import ModelConfig, SchedulerConfig, StationSpec
+from mesh.params import SamplingParams
+from orchestrator.engine import Engine
+from orchestrator.remote import RemoteLink
+from station.actor import StationActor
+
+
+def _samples(address: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+@pytest.fixture
+def actors(tiny_llama):
+    threads = torch.get_num_threads()  # the actor pins torch threads to num_cpus; give this process its own back
+    made = []
+    try:
+        yield lambda spec: made.append(StationActor(str(tiny_llama), spec)) or made[-1]
+    finally:
+        for a in made:
+            a.shutdown(0)
+        torch.set_num_threads(threads)
+
+
+def test_station_actor_serves_metrics_with_wire_bytes(tiny_llama, actors):
+    cfg = ModelConfig.from_dir(tiny_llama)
+    first, last = actors(StationSpec(layers=(0, 2), kv_bytes=16 * 2**20)), actors(StationSpec(layers=(2, 6)))
+    for a in (first, last):
+        assert a.metrics_address() and a.metrics_address() != a.address()
+        assert a.info()["metrics_address"] == a.metrics_address()
+    links = [RemoteLink(first.address()), RemoteLink(last.address())]
+    assert [link.describe()["metrics_address"] for link in links] == [first.metrics_address(), last.metrics_address()]
+    before = _samples(first.metrics_address())
+    lab0 = (("layers", "0-2"), ("station", "s0"))
+    assert before[("wavemesh:station_wire_bytes_total", tuple(sorted(lab0 + (("direction", "in"),))))] == 0
+    assert before[("wavemesh:station_kv_bytes_total", lab0)] == 16 * 2**20
+    engine = Engine(links, cfg, SchedulerConfig(max_seqs=4, max_wave_tokens=64))
+    try:
+        out = engine.submit([1, 5, 9, 13], SamplingParams(max_tokens=5, ignore_eos=True)).result(timeout=60)[0]
+        assert len(out.token_ids) == 5
+    finally:
+        engine.close()
+        for link in links:
+            link.close()
+    for a, (start, end) in ((first, (0, 2)), (last, (2, 6))):
+        lab = (("layers", f"{start}-{end}"), ("station", f"s{start}"))
+        s = _samples(a.metrics_address())
+        wire = {d: s[("wavemesh:station_wire_bytes_total", tuple(sorted(lab + (("direction", d),))))]
+                for d in ("in", "out")}
+        assert wire["in"] > 0 and wire["out"] > 0, wire
+        assert a.server.servicer.wire_bytes == {k: int(v) for k, v in wire.items()}
+        forward = sum(s[("wavemesh:station_forward_seconds_total", tuple(sorted(lab + (("phase", p),))))]
+                      for p in ("prefill", "decode"))
+        assert forward > 0 and s[("wavemesh:station_forwards_total", lab)] >= 5
+    # the first station sends hidden rows on: far more bytes out than the token ids it receives
+    s0 = _samples(first.metrics_address())
+    assert (s0[("wavemesh:station_wire_bytes_total", tuple(sorted(lab0 + (("direction", "out"),))))]
+            > s0[("wavemesh:station_wire_bytes_total", tuple(sorted(lab0 + (("direction", "in"),))))])
+
+
+def test_shutdown_stops_the_metrics_endpoint(tiny_llama):
+    threads = torch.get_num_threads()
+    try:
+        actor = StationActor(str(tiny_llama), StationSpec(layers=(0, 6)))
+        address = actor.metrics_address()
+        assert _samples(address)
+        actor.shutdown(0)
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://{address}/metrics", timeout=5)
+    finally:
+        torch.set_num_threads(threads)
