@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="tokens generated per sequence (N >= 2)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--linear-backend", default="aten", choices=["aten", "onednn", "auto"],
+                   help="the station's matmul kernel (StationSpec.linear_backend)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
@@ -209,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_need = (max(args.batches) * blocks_for(args.prompt_len + args.steps, DEFAULT_BLOCK_TOKENS) + 1) * block_bytes
     kv_bytes = max(kv_need, StationSpec(layers=(0, layers)).kv_bytes)
     station = Station(model_dir, StationSpec(layers=(0, layers), dtype=args.dtype, device=args.device,
+                                             linear_backend=args.linear_backend,
                                              kv_bytes=kv_bytes))
     print(f"model {model_dir} ({layers} layers, {args.dtype}, {args.device}); prompt {args.prompt_len}, "
           f"{args.steps} tokens/seq (decode timed over {args.steps - 1}), {args.repeats} repeats", file=sys.stderr)
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth_gb_s": bw, "weight_bytes": weight_bytes, "embed_bytes": embed_bytes,
         "roofline_steps_s": steps_s, "roofline_tok_s": roof,
         "roofline_fraction": {k: ours[k] / roof[k] for k in ours},
-        "prompt_len": args.prompt_len, "steps": args.steps, "repeats": args.repeats, "dtype": args.dtype,
+        "prompt_len": args.prompt_len, "steps": args.steps, "repeats": args.repeats, "dtype": args.dtype, "linear_backend": args.linear_backend,
         "device": args.device, "model": str(model_dir), "machine": mach, "load_avg_1m": os.getloadavg()[0],
     }
     print(json.dumps(figures))

@@ -10,6 +10,7 @@ stations the new plan no longer uses.
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import threading
 import time
@@ -38,6 +39,9 @@ class Cluster:
         self._actors: dict[StationSpec, object] = {}
         self._links: dict[StationSpec, object] = {}
         self._owns_ray = False
+        # every station call carries the cluster token: the YAML's, or one made for this cluster
+        self.token = config.cluster.token or secrets.token_urlsafe(24)
+        self.tls = config.cluster.tls()
         self._scale_lock = threading.Lock()
         self._generation = 0
 
@@ -133,7 +137,6 @@ class Cluster:
         import ray
         from ray.exceptions import GetTimeoutError
 
-        from orchestrator.remote import RemoteLink
         from station.actor import station_address
 
         timeout = self.config.cluster.restart_timeout_s
@@ -151,7 +154,7 @@ class Cluster:
                     ray.kill(handle, no_restart=False)
                     address = station_address(handle, timeout_s=timeout)
                 link.close()
-                self._links[spec] = RemoteLink(address, timeout_s=self.config.cluster.call_timeout_s)
+                self._links[spec] = self._link(address)
                 self.progress(f"station [{spec.start}, {spec.end}) is back at {address}")
             return [self._links[s] for s in self.specs]
 
@@ -174,7 +177,6 @@ class Cluster:
 
     # ---- internals -------------------------------------------------------------------------------
     def _launch(self, specs: tuple[StationSpec, ...]) -> None:
-        from orchestrator.remote import RemoteLink
         from station.actor import create_station, station_address
 
         started = time.monotonic()
@@ -182,13 +184,19 @@ class Cluster:
         for spec in specs:
             self.progress(f"station [{spec.start}, {spec.end}) on {spec.device}/{spec.dtype}: loading")
             handles[spec] = create_station(self.model_dir, spec, host=self.config.cluster.station_host,
-                                           max_restarts=self.config.cluster.max_restarts)
+                                           max_restarts=self.config.cluster.max_restarts, token=self.token,
+                                           tls=self.tls)
         for spec, handle in handles.items():
             address = station_address(handle, timeout_s=600)
             self._actors[spec] = handle
-            self._links[spec] = RemoteLink(address, timeout_s=self.config.cluster.call_timeout_s)
+            self._links[spec] = self._link(address)
             self.progress(f"station [{spec.start}, {spec.end}): ready at {address} "
                           f"({time.monotonic() - started:.1f}s)")
+
+    def _link(self, address: str):
+        from orchestrator.remote import RemoteLink
+
+        return RemoteLink(address, timeout_s=self.config.cluster.call_timeout_s, token=self.token, tls=self.tls)
 
     def _retire(self, spec: StationSpec, stop_station) -> None:
         link = self._links.pop(spec, None)

@@ -47,7 +47,9 @@ class StationActor:
     """One station inside a Ray actor: the Station, its gRPC server, and where it listens."""
 
     def __init__(self, model_dir: str, spec: StationSpec | Mapping[str, Any], host: str = "127.0.0.1",
-                 block_tokens: int = DEFAULT_BLOCK_TOKENS, limits: ServerLimits | None = None) -> None:
+                 block_tokens: int = DEFAULT_BLOCK_TOKENS, limits: ServerLimits | None = None,
+                 token: str | None = None, tls: Any = None) -> None:
+        """Load the station and serve it; `token` / `tls` (StationTls): what every caller must present."""
         spec = spec_from(spec)
         torch.set_num_threads(max(1, int(spec.num_cpus)))  # Ray pins OMP threads to num_cpus; say so explicitly
         self.station = Station(model_dir, spec, block_tokens)
@@ -57,7 +59,7 @@ class StationActor:
         self._metrics_http = StationMetrics(self.station, wire=self._wire_bytes).serve(host, 0)
         self._metrics_address = _host_port(advertised, self._metrics_http.server_port)
         self.server = start_server(self.station, host=host, port=0, limits=limits or ServerLimits(),
-                                   metrics_address=self._metrics_address)
+                                   metrics_address=self._metrics_address, token=token, tls=tls)
         self._address = _host_port(advertised, self.server.port)
 
     def _wire_bytes(self) -> dict[str, int]:
@@ -99,7 +101,7 @@ class StationActor:
 
 def create_station(model_dir: str | Path, spec: StationSpec, *, name: str | None = None, max_restarts: int = 3,
                    host: str = "127.0.0.1", block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                   limits: ServerLimits | None = None) -> Any:
+                   limits: ServerLimits | None = None, token: str | None = None, tls: Any = None) -> Any:
     """Start a StationActor with the spec's Ray resources and return its handle at once (it loads meanwhile).
 
     Call tasks are never retried by Ray (max_task_retries=0): a wave lost with a dead station is
@@ -109,15 +111,16 @@ def create_station(model_dir: str | Path, spec: StationSpec, *, name: str | None
                             max_task_retries=0)(StationActor)
     if name is not None:
         remote_cls = remote_cls.options(name=name)
-    return remote_cls.remote(str(model_dir), dataclasses.asdict(spec), host, block_tokens, limits)
+    return remote_cls.remote(str(model_dir), dataclasses.asdict(spec), host, block_tokens, limits, token, tls)
 
 
 def launch_station(model_dir: str | Path, spec: StationSpec, *, name: str | None = None, max_restarts: int = 3,
                    host: str = "127.0.0.1", block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                   limits: ServerLimits | None = None, timeout_s: float = 300.0) -> tuple[Any, str]:
+                   limits: ServerLimits | None = None, timeout_s: float = 300.0, token: str | None = None,
+                   tls: Any = None) -> tuple[Any, str]:
     """Start a StationActor and wait until it serves; returns (actor handle, gRPC address)."""
     handle = create_station(model_dir, spec, name=name, max_restarts=max_restarts, host=host,
-                            block_tokens=block_tokens, limits=limits)
+                            block_tokens=block_tokens, limits=limits, token=token, tls=tls)
     return handle, station_address(handle, timeout_s)
 
 

@@ -53,6 +53,10 @@ def test_stations_over_grpc_match_in_process(local_ray, tiny_llama, ranges):
         status = cluster.status()
         assert [s["layers"] for s in status["stations"]] == [list(r) for r in ranges]
         assert all(s["healthy"] for s in status["stations"])
+        from station.client import StationCallError, StationClient
+        with StationClient(status["stations"][0]["address"], timeout_s=10) as stranger:  # no cluster token
+            with pytest.raises(StationCallError, match="UNAUTHENTICATED"):
+                stranger.info()
         assert cluster.engine.quiesce(30) and cluster.engine.stats().kv_bytes_used == 0
     finally:
         cluster.stop()
