@@ -23,3 +23,13 @@ def tiny_llama(model_dirs):
 def sharded_llama(tmp_path_factory):
     """The tiny llama written as 3 shards with a model.safetensors.index.json."""
     return init_model(tmp_path_factory.mktemp("sharded") / "tiny-llama-3", "tiny", "llama", shards=3)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray for one test module (loopback, no dashboard), shut down after it."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=16, include_dashboard=False, namespace="wavemesh-test", logging_level="ERROR",
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()

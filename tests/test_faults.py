@@ -115,14 +115,6 @@ def test_without_recovery_a_lost_call_ends_only_that_wave(tiny_llama):
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=16, include_dashboard=False, namespace="wavemesh-faults", logging_level="ERROR",
-             log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _cluster(model_dir, **cluster_kw):
     from mesh.cluster import ClusterConfig, MeshConfig, ModelSource
     from mesh.launch import Cluster

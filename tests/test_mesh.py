@@ -13,14 +13,6 @@ from station.step import Station
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=16, include_dashboard=False, namespace="wavemesh-test", logging_level="ERROR",
-             log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _jobs(n, max_tokens=12):
     prompts = [[1] + [(29 * i + 13 * j) % 500 + 5 for j in range(2 + (11 * i) % 30)] for i in range(n)]
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0 if i % 2 == 0 else 0.8,
