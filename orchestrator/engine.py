@@ -249,8 +249,7 @@ class Engine:
         while self._in_flight < depth and not self._paused:
             cap = None
             if depth > 1:
-                s = self.scheduler.stats()
-                cap = max(1, math.ceil(min(s.running + s.waiting, self.config.max_seqs) / depth))
+                cap = max(1, math.ceil(min(self.scheduler.live(), self.config.max_seqs) / depth))
             plan = self.scheduler.plan(max_entries=cap)
             self._release(self.scheduler.take_releases())
             if plan is None:
@@ -277,12 +276,11 @@ class Engine:
             return
         result = self.scheduler.commit(plan, samples)
         self._release(result.released)
-        s = self.scheduler.stats()
         now = time.monotonic()
         if self.on_wave is not None and sent is not None:
             rows = len(plan.token_ids)
             self.on_wave(rows, rows / self.config.max_wave_tokens, now - sent)
-        self._rates.append((now, s.prefill_tokens, s.decode_tokens))
+        self._rates.append((now, *self.scheduler.token_counts()))
         while self._rates and now - self._rates[0][0] > self._rate_window:
             self._rates.popleft()
         for ev in result.events:

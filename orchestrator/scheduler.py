@@ -314,6 +314,14 @@ class Scheduler:
         self._ledger.release(seq)
         self._seqs.forget(seq)
 
+    def live(self) -> int:
+        """Sequences running or waiting (cheap: the engine asks every wave)."""
+        return len(self._seqs.running) + len(self._waiting)
+
+    def token_counts(self) -> tuple[int, int]:
+        """Committed (prefill, decode) rows so far (cheap: the engine's rates read it every wave)."""
+        return self._prefill_tokens, self._decode_tokens
+
     def has_work(self) -> bool:
         """True while any sequence waits or runs, or a wave is in flight."""
         return bool(self._seqs.running or len(self._waiting) or self._in_flight)
