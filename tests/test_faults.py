@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+from tokenizers import Tokenizer
 
 from mesh.config import ModelConfig, SchedulerConfig, StationSpec
 from mesh.params import SamplingParams
@@ -201,5 +202,15 @@ def test_station_with_no_restarts_left_ends_requests_and_refuses_new(local_ray, 
         with pytest.raises(AdmissionError) as refused:
             cluster.engine.submit(prompts[0], params[0])
         assert refused.value.status == 503
+        from starlette.testclient import TestClient
+
+        from mesh.config import ApiConfig
+        from orchestrator.api import create_app
+
+        app = create_app(cluster.engine, Tokenizer.from_file(str(tiny_llama / "tokenizer.json")), "", "tiny",
+                         ApiConfig())
+        with TestClient(app) as http:
+            health = http.get("/health")
+            assert health.status_code == 503 and "a station is down" in health.json()["reason"]
     finally:
         cluster.stop()
