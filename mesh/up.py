@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import tempfile
 import time
 import urllib.request
@@ -132,6 +133,36 @@ def build_app(cluster, config: MeshConfig):
     return app
 
 
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """On the first SIGINT/SIGTERM: refuse new requests with 503, let admitted ones finish (up to
+        `drain_s`), then stop; a second signal stops at once."""
+
+        def __init__(self, config, engine, drain_s: float) -> None:
+            super().__init__(config)
+            self.engine, self.drain_s, self._draining = engine, drain_s, False
+
+        def handle_exit(self, sig, frame) -> None:
+            if self._draining:
+                super().handle_exit(sig, frame)
+                return
+            self._draining = True
+            self.engine.stop_admitting()
+            print(f"wavemesh draining: new requests get 503, running ones have {self.drain_s:.0f}s",
+                  file=sys.stderr, flush=True)
+            threading.Thread(target=self._drain_then_exit, args=(sig, frame), daemon=True).start()
+
+        def _drain_then_exit(self, sig, frame) -> None:
+            deadline = time.monotonic() + self.drain_s
+            while time.monotonic() < deadline and not self.engine.idle():
+                time.sleep(0.05)
+            super().handle_exit(sig, frame)
+
+    return DrainingServer
+
+
 def serve(config: MeshConfig, model_dir: Path) -> int:
     """Start the cluster, serve until SIGINT/SIGTERM, then stop every actor."""
     import uvicorn
@@ -139,12 +170,14 @@ def serve(config: MeshConfig, model_dir: Path) -> int:
 
     from mesh.launch import Cluster
 
+    DrainingServer = _draining_server_class()
     cluster = Cluster(config, model_dir)
     cluster.start(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
     try:
         app = build_app(cluster, config)
-        server = uvicorn.Server(uvicorn.Config(app, host=config.api.host, port=config.api.port, log_level="warning",
-                                               timeout_graceful_shutdown=config.cluster.shutdown_timeout_s))
+        server = DrainingServer(uvicorn.Config(app, host=config.api.host, port=config.api.port, log_level="warning",
+                                               timeout_graceful_shutdown=config.cluster.shutdown_timeout_s),
+                                cluster.engine, config.cluster.shutdown_timeout_s)
         print(f"wavemesh serving {model_dir.name} on http://{config.api.host}:{config.api.port} "
               f"with {len(cluster.specs)} station(s)", file=sys.stderr, flush=True)
         try:

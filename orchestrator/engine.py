@@ -60,7 +60,7 @@ class Engine:
         self._in_flight = 0
         self._rates: deque = deque()
         self._rate_window = rate_window_s
-        self._closed = self._paused = False
+        self._closed = self._paused = self._draining = False
         self.on_wave = on_wave
         self._recover, self._recover_retry_s = recover, recover_retry_s
         self._recovering = False
@@ -81,8 +81,8 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, n: int = 1,
                request_id: str | None = None) -> RequestStream:
         """Queue a request of `n` choices; raises AdmissionError (400 never fits / 503 queue full)."""
-        if self._closed:
-            raise AdmissionError("shutting_down", 503, "the engine is shutting down")
+        if self._closed or self._draining:
+            raise AdmissionError("shutting_down", 503, "the server is shutting down; retry elsewhere or later")
         if self.route_error is not None:
             raise AdmissionError("route_down", 503, f"a station is down and not back yet ({self.route_error})")
         request_id = request_id or uuid.uuid4().hex
@@ -211,6 +211,15 @@ class Engine:
             self.route_error = None
             self.recovery_seconds.append(time.monotonic() - t0)
         self._inbox.put(_WAKE)
+
+    def stop_admitting(self) -> None:
+        """Drain: refuse new requests (503) from now on; those already admitted run to their end."""
+        self._draining = True
+
+    def idle(self) -> bool:
+        """True when no request is live (queued or running)."""
+        with self._lock:
+            return not self._live
 
     def quiesce(self, timeout: float = 30.0) -> bool:
         """Wait until no wave is in flight and every queued release has reached the stations."""

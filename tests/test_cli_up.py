@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -110,3 +111,44 @@ def test_mesh_up_serves_and_scales_mid_stream(tmp_path, env, tiny_llama):
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-2000:]
+
+
+def test_sigterm_drains_then_stops_every_station(tmp_path, env, tiny_llama):
+    """SIGTERM: new requests get 503 while an admitted one runs to its end; then every actor stops."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = tmp_path / "one.yaml"
+    cfg.write_text(f"model: {{path: {tiny_llama}}}\napi: {{host: 127.0.0.1, port: {port}}}\n"
+                   "cluster: {shutdown_timeout_s: 120}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", str(cfg)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        station_pids = [s["pid"] for s in json.loads(_mesh("status", "--url", url, "--json", env=env).stdout)["stations"]]
+        long = {}
+        worker = threading.Thread(target=lambda: long.update(_post(url + "/v1/completions", {
+            "prompt": [1, 5, 9], "max_tokens": 900, "ignore_eos": True, "temperature": 0})))
+        worker.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _post(url + "/v1/completions", {"prompt": "late", "max_tokens": 4}, timeout=30)
+        assert refused.value.code == 503
+        worker.join(timeout=300)
+        assert long["choices"][0]["finish_reason"] == "length" and long["usage"]["completion_tokens"] == 900
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-2000:]
+    for pid in station_pids:  # no orphan station process
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
