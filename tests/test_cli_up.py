@@ -37,6 +37,18 @@ def _post(url, body, timeout=300):
         return json.loads(r.read())
 
 
+def _wait_healthy(url: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail("mesh up never became healthy")
+
+
 @pytest.fixture
 def env(tmp_path):
     e = dict(os.environ, WAVEMESH_CACHE=str(tmp_path / "cache"), RAY_AUTH_MODE="disabled")
@@ -73,16 +85,7 @@ def test_mesh_up_serves_and_scales_mid_stream(tmp_path, env, tiny_llama):
     proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", str(cfg)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("mesh up never became healthy")
+        _wait_healthy(url)
         status = json.loads(_mesh("status", "--url", url, "--json", env=env).stdout)
         assert [s["layers"] for s in status["stations"]] == [[0, 1], [1, 4], [4, 6]]
         prompts = [[1, 7 + i, 30 + 3 * i, 99] for i in range(6)]
@@ -123,14 +126,7 @@ def test_sigterm_drains_then_stops_every_station(tmp_path, env, tiny_llama):
     proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", str(cfg)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+        _wait_healthy(url)
         station_pids = [s["pid"] for s in json.loads(_mesh("status", "--url", url, "--json", env=env).stdout)["stations"]]
         long = {}
         worker = threading.Thread(target=lambda: long.update(_post(url + "/v1/completions", {
