@@ -61,9 +61,15 @@ def test_scale_while_serving_keeps_every_token(local_ray, tiny_llama):
     cluster = _cluster(tiny_llama, ((0, 6),))
     try:
         first = list(cluster._actors.values())
-        three = cluster.prepare(tuple(StationSpec(layers=r) for r in ((0, 2), (2, 4), (4, 6))))  # loaded beside
+        # every plan's stations are loaded beside the route before the requests start, so each switch
+        # happens while they stream whatever the machine's speed (the full-model station of step 2 is a
+        # new spec, with a smaller KV budget, since the first one is retired at step 1)
+        small = 64 * 2**20
+        three = cluster.prepare(tuple(StationSpec(layers=r) for r in ((0, 2), (2, 4), (4, 6))))
+        one = cluster.prepare((StationSpec(layers=(0, 6), kv_bytes=small),))
+        cluster.prepare(tuple(StationSpec(layers=r, kv_bytes=small) for r in ((0, 4), (4, 6))))
         streams = [cluster.engine.submit(p, sp) for p, sp in zip(prompts, params)]
-        steps = ((3, lambda: cluster.reroute(three)), (1, lambda: cluster.scale(1)),
+        steps = ((3, lambda: cluster.reroute(three)), (1, lambda: cluster.reroute(one)),
                  (2, lambda: cluster.add_station((4, 6))))
         for target, grow in steps:
             assert not any(s.done for s in streams), "requests ended before the route changed"
@@ -77,7 +83,7 @@ def test_scale_while_serving_keeps_every_token(local_ray, tiny_llama):
         assert first_diff == [None] * len(outs), (first_diff, cluster.engine.stats())
         assert all(o.finish_reason == "length" for o in outs)
         assert cluster.engine.quiesce(30) and cluster.engine.stats().kv_bytes_used == 0
-        assert len(cluster._actors) == 2
+        assert len(cluster._actors) == 2 and all(spec in cluster._actors for spec in cluster.specs)
         for handle in first:  # the first full-model station was retired and its actor ended
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(handle.pid.remote(), timeout=30)
