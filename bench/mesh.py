@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -38,6 +37,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch
 
 from mesh.cli import resolve_model
+from mesh.hostinfo import describe_machine
 from mesh.cluster import MeshConfig, ModelSource, layer_weights, plan_layers
 from mesh.config import ModelConfig, SchedulerConfig, StationSpec
 from mesh.params import SamplingParams
@@ -192,18 +192,6 @@ def run_point(engine: Engine, links: list[MeteredLink], prompts: list[list[int]]
     }
 
 
-def machine() -> dict[str, object]:
-    """CPU model, cores, torch threads and version, load average at start."""
-    cpu = platform.processor() or "unknown"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-
-
 def start_configs(args, model_dir: Path, cfg: ModelConfig, sched: SchedulerConfig, up: dict) -> None:
     """Start every configuration into `up`: {name: (engine, metered links, station description, cluster or None)}."""
     counts = [int(c) for c in args.configs if c != "inproc"]
@@ -248,7 +236,7 @@ def stop_configs(up: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Start every configuration, run the points, print the table, end with one JSON line."""
     args = parse_args(argv)
-    mach = machine()
+    mach = describe_machine()
     model_dir = resolve_model(args.model, "tiny" if args.quick else "bench")
     cfg = ModelConfig.from_dir(model_dir)
     sched = SchedulerConfig(max_seqs=args.max_seqs, max_wave_tokens=max(512, args.max_seqs),

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -32,6 +30,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch
 
 from mesh.cli import resolve_model
+from mesh.hostinfo import describe_machine
 from mesh.config import DTYPE_BYTES, ModelConfig, SchedulerConfig, StationSpec
 from mesh.params import SamplingParams
 from orchestrator.engine import Engine
@@ -153,21 +152,6 @@ def load_hf(model_dir: Path, dtype: str):
     return model
 
 
-def machine() -> dict[str, object]:
-    """CPU model, cores, torch threads and version, load average at start (the GPU when there is one)."""
-    cpu = platform.processor() or "unknown"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    m = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-         "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-    if torch.cuda.is_available():
-        m["gpu"] = torch.cuda.get_device_name()
-    return m
-
-
 def plot(path: str, ks: list[int], tok_s: dict[str, float], model_name: str) -> None:
     """Measured aggregate tok/s vs concurrency, beside the ideal K x single-request line."""
     import matplotlib
@@ -205,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    mach = machine()
+    mach = describe_machine()
     model_dir = resolve_model(args.model, "bench")
     cfg = ModelConfig.from_dir(model_dir)
     tok = None

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch  # noqa: E402
 
 from mesh.cli import resolve_model  # noqa: E402
+from mesh.hostinfo import describe_machine  # noqa: E402
 from mesh.config import DTYPE_BYTES, ModelConfig, StationSpec  # noqa: E402
 from mesh.params import SamplingParams  # noqa: E402
 from mesh.wave import WaveEntry  # noqa: E402
@@ -172,22 +172,6 @@ def bandwidth_gb_s(device: str, mib: int = 256, repeats: int = 7) -> float:
     return 2 * src.numel() * 4 / statistics.median(times[1:]) / 1e9
 
 
-def machine() -> dict[str, object]:
-    """CPU model, cores, torch threads and version (and the GPU when there is one)."""
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    m = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
-    if torch.cuda.is_available():
-        m["gpu"] = torch.cuda.get_device_name()
-    return m
-
-
 def _ratio(fig: dict, kind: str, k: str) -> float | None:
     """ours / HF of one kind of rate at batch k, None where HF was not measured."""
     hf = fig[f"hf_tok_s_{kind}"].get(k)
@@ -248,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch-1 greedy tokens identical to HF: {fig['b1_tokens_match_hf']}")
     print(f"bandwidth {bw:.1f} GB/s; weights {weight_bytes / 2**20:.1f} MiB (embedding {embed_bytes / 2**20:.1f} MiB "
           f"of it, only B rows read per step); roofline {steps_s:.1f} steps/s")
-    mach = machine()
+    mach = describe_machine()
     print(f"machine: {mach['cpu']}, {mach['cores']} cores, torch {mach['torch']} with {mach['torch_threads']} threads"
           f", load average {os.getloadavg()[0]:.2f}")
     figures = {
