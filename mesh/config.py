@@ -191,10 +191,9 @@ class StationSpec:
     kv_bytes: int = 256 * 2**20  # KV budget of this station in bytes
     num_gpus: float = 0.0  # Ray resource request
     num_cpus: float = 1.0  # Ray resource request (and the station's torch threads)
-    # matmul kernel: aten (F.linear: results do not depend on the thread count, so tokens stay identical when a
-    # route is re-split over differently threaded stations) | onednn / auto (oneDNN on CPU: faster, but its
-    # multi-threaded reductions change the last bits with the thread count)
-    linear_backend: str = "aten"
+    # matmul kernel: auto (oneDNN on CPU when it is row-count invariant here, so a row's bits never depend
+    # on its wave; else F.linear) | onednn (that, or refuse) | aten (F.linear: MKL's bits vary with the row count)
+    linear_backend: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.linear_backend in ("auto", "aten", "onednn"),

@@ -49,23 +49,30 @@ class StationStats:
 
 
 class WaveAttention:
-    """AttentionContext for one wave: writes each layer's new K/V, then attends per sequence."""
+    """AttentionContext for one wave: writes each layer's new K/V, then attends per sequence.
+
+    Every row's attention is computed the same way whatever else is in the wave, so its
+    bits never depend on its company: a prompt chunk attends alone over exactly its
+    sequence's keys; decode rows are batched only with rows whose sequences span the
+    same number of KV blocks (the same padded key length), and each decode query is
+    sent as two equal rows, because torch's CPU kernel for a single query row changes
+    its bits with the batch size and the thread count while the general one does not.
+    """
 
     def __init__(self, kv: KVPool, first_layer: int, entries: tuple[WaveEntry, ...], device: torch.device,
                  window: int | None) -> None:
         self.kv, self.first_layer = kv, first_layer
         blocks, offsets, row = [], [], 0
-        decode_rows, decode_tables, decode_lens = [], [], []
+        by_blocks: dict[int, list[tuple[int, torch.Tensor, int]]] = {}  # block count -> (row, table, length)
         self.chunks = []  # (rows slice, block table [nb], mask [n, S]) for n > 1
         for e in entries:
             b, o = kv.slots(e.seq_id, e.start_pos, e.n_tokens, "cpu")
             blocks.append(b)
             offsets.append(o)
-            table = torch.tensor(kv.table(e.seq_id)[: -(-e.end_pos // kv.block_tokens)], dtype=torch.long)
+            nb = -(-e.end_pos // kv.block_tokens)
+            table = torch.tensor(kv.table(e.seq_id)[:nb], dtype=torch.long)
             if e.n_tokens == 1:
-                decode_rows.append(row)
-                decode_tables.append(table)
-                decode_lens.append(e.end_pos)
+                by_blocks.setdefault(nb, []).append((row, table, e.end_pos))
             else:
                 q_pos = torch.arange(e.start_pos, e.end_pos)[:, None]  # [n, 1]
                 k_pos = torch.arange(e.end_pos)[None, :]  # [1, S]
@@ -74,29 +81,25 @@ class WaveAttention:
             row += e.n_tokens
         self.blocks = torch.cat(blocks).to(device)  # [T]
         self.offsets = torch.cat(offsets).to(device)  # [T]
-        self.decode_rows = None
-        if decode_rows:
-            nb = max(len(t) for t in decode_tables)
-            padded = torch.zeros(len(decode_tables), nb, dtype=torch.long)  # pad with block 0, masked out
-            for i, t in enumerate(decode_tables):
-                padded[i, : len(t)] = t
-            lens = torch.tensor(decode_lens)[:, None]  # [B, 1]
+        self.decode_groups = []  # (rows [B], block tables [B, nb], mask [B, 1, 2, S])
+        for nb, group in by_blocks.items():
+            lens = torch.tensor([length for _, _, length in group])[:, None]  # [B, 1]
             k_pos = torch.arange(nb * kv.block_tokens)[None, :]  # [1, S]
             mask = (k_pos < lens) & _visible(k_pos, lens - 1, window)  # [B, S]
-            self.decode_rows = torch.tensor(decode_rows, device=device)  # [B]
-            self.decode_tables = padded.to(device)  # [B, nb]
-            self.decode_mask = mask[:, None, None, :].to(device)  # [B, 1, 1, S]
+            self.decode_groups.append((torch.tensor([r for r, _, _ in group], device=device),
+                                       torch.stack([t for _, t, _ in group]).to(device),
+                                       mask[:, None, None, :].expand(-1, 1, 2, -1).to(device)))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; stores k/v first."""
         local = layer - self.first_layer
         self.kv.write(local, self.blocks, self.offsets, k, v)
         out = torch.empty_like(q)  # [T, H, D]
-        if self.decode_rows is not None:
-            keys, values = self.kv.gather(local, self.decode_tables)  # [B, KVH, S, D]
-            qd = q.index_select(0, self.decode_rows).unsqueeze(2)  # [B, H, 1, D]
-            od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=self.decode_mask, enable_gqa=True)
-            out.index_copy_(0, self.decode_rows, od.squeeze(2))
+        for rows, tables, mask in self.decode_groups:
+            keys, values = self.kv.gather(local, tables)  # [B, KVH, S, D]
+            qd = q.index_select(0, rows).unsqueeze(2).expand(-1, -1, 2, -1)  # [B, H, 2, D]: the row twice
+            od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, enable_gqa=True)
+            out.index_copy_(0, rows, od[:, :, 0])
         for rows, table, mask in self.chunks:
             keys, values = self.kv.gather(local, table[None])  # [1, KVH, S', D]
             s = mask.shape[1]

@@ -1,14 +1,22 @@
 """Matmul kernels for the model's linear layers, chosen from outside the model.
 
-On x86 CPUs torch's float32 `F.linear` goes to a BLAS whose kernels can be slow on
-some processors; oneDNN's linear (what torch's own compiler emits for CPU) reads
-the same weights faster there. `pick_linear` probes it once and falls back to
-`F.linear` when it is missing or disagrees. F.linear stays the default: its
-results do not change with the thread count, while oneDNN's multi-threaded
-reductions do, which can flip a near-tie token between differently threaded routes.
+A row's result must not depend on which other rows share its wave: that is what
+makes a request's tokens the same alone, batched, re-prefilled on a new route or
+replayed after a fault, bit for bit. On x86 CPUs torch's float32 `F.linear` goes
+to MKL, whose kernel (and so the order of each dot product's additions) changes
+with the row count: a row computed with 1, 2..11 or 12+ others differs in its
+last bits, which flips a near-tie token now and then. oneDNN's linear uses one
+kernel for every row count of 2 and more, whatever the thread count, and reads
+the weights faster on these machines; `batch_invariant_linear` sends a single
+row through it as two, so every row count takes that one kernel.
+
+`pick_linear("auto")` probes, once per dtype, that oneDNN is present, agrees with
+F.linear and is row-count invariant on this machine, and falls back to F.linear
+(exact to 1e-4, not bitwise batch-invariant) otherwise.
 """
 from __future__ import annotations
 
+from functools import cache
 from typing import Callable
 
 import torch
@@ -21,33 +29,46 @@ LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch
 
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x [T, in] @ w[out, in]^T + b through oneDNN."""
+    """x [T, in] @ w[out, in]^T + b through oneDNN (row-count invariant for T >= 2)."""
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
+def batch_invariant_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """onednn_linear whose row results do not depend on T: a single row goes through as two."""
+    if x.shape[0] == 1:
+        return onednn_linear(x.expand(2, -1).contiguous(), w, b)[:1]  # [1, out]
+    return onednn_linear(x, w, b)
+
+
+@cache
 def _onednn_works(dtype: torch.dtype) -> bool:
+    """oneDNN is present, agrees with F.linear and gives a row the same bits at every row count."""
     try:
         if not torch.backends.mkldnn.is_available():
             return False
         g = torch.Generator().manual_seed(0)
-        x, w = torch.randn(3, 64, generator=g).to(dtype), torch.randn(32, 64, generator=g).to(dtype)
-        b = torch.randn(32, generator=g).to(dtype)
+        x, w = torch.randn(37, 96, generator=g).to(dtype), torch.randn(80, 96, generator=g).to(dtype)
+        b = torch.randn(80, generator=g).to(dtype)
         ref = F.linear(x.float(), w.float(), b.float())
-        return torch.allclose(onednn_linear(x, w, b).float(), ref, atol=0.1 if dtype != torch.float32 else 1e-4)
+        full = batch_invariant_linear(x, w, b)
+        if not torch.allclose(full.float(), ref, atol=0.1 if dtype != torch.float32 else 1e-4):
+            return False
+        return all(torch.equal(batch_invariant_linear(x[:n], w, b), full[:n]) for n in (1, 2, 3, 5, 16))
     except (RuntimeError, AttributeError):
         return False
 
 
 def pick_linear(backend: str, device: torch.device, dtype: torch.dtype) -> LinearKernel | None:
-    """The kernel for `backend` ("auto": oneDNN on CPU when it works), or None for F.linear."""
+    """The kernel for `backend` ("auto": the batch-invariant oneDNN kernel on CPU when it works), or
+    None for F.linear."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend: expected one of {LINEAR_BACKENDS}, got {backend!r}")
     if backend == "aten" or device.type != "cpu":
         return None
     if _onednn_works(dtype):
-        return onednn_linear
+        return batch_invariant_linear
     if backend == "onednn":
-        raise ValueError("linear_backend: onednn is not available in this torch build")
+        raise ValueError("linear_backend: onednn is not available (or not row-count invariant) in this torch build")
     return None
 
 
