@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="tokens generated per sequence (N >= 2)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--linear-backend", default="aten", choices=["aten", "onednn", "auto"],
+    p.add_argument("--linear-backend", default="auto", choices=["aten", "onednn", "auto"],
                    help="the station's matmul kernel (StationSpec.linear_backend)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")

@@ -115,6 +115,7 @@ class ClusterConfig:
     targets_file: str | None = None  # Prometheus file_sd targets written here (None: not written)
     restart_timeout_s: float = 120.0  # how long a lost station may take to come back before its requests end
     max_restarts: int = 3  # Ray restarts of one station actor
+    health_period_s: float = 5.0  # how often each station proves its forward path and the orchestrator checks it
     tls_cert: str | None = None  # PEM certificate (SAN DNS:wavemesh-station) for mutual TLS (all three or none)
     tls_key: str | None = None  # its PEM private key
     tls_ca: str | None = None  # PEM CA bundle both sides' certificates must chain to
@@ -126,6 +127,8 @@ class ClusterConfig:
                  f"cluster.shutdown_timeout_s: must be a number >= 0, got {self.shutdown_timeout_s!r}")
         _require(_is_num(self.restart_timeout_s) and self.restart_timeout_s > 0,
                  f"cluster.restart_timeout_s: must be a number > 0, got {self.restart_timeout_s!r}")
+        _require(_is_num(self.health_period_s) and self.health_period_s > 0,
+                 f"cluster.health_period_s: must be a number > 0, got {self.health_period_s!r}")
         _require(_is_int(self.max_restarts) and self.max_restarts >= 0,
                  f"cluster.max_restarts: must be an integer >= 0, got {self.max_restarts!r}")
         _require(isinstance(self.station_host, str) and self.station_host != "", "cluster.station_host: empty")
@@ -330,7 +333,7 @@ _SCHEMA = {  # section: {key: kind}
     "api": {"host": "str", "port": "int", "api_key": "opt_str", "model_name": "opt_str", "max_n": "pos_int"},
     "cluster": {"token": "opt_str", "station_host": "str", "call_timeout_s": "pos_num",
                 "shutdown_timeout_s": "nonneg_num", "targets_file": "opt_str",
-                "restart_timeout_s": "pos_num", "max_restarts": "nonneg_int",
+                "restart_timeout_s": "pos_num", "max_restarts": "nonneg_int", "health_period_s": "pos_num",
                 "tls_cert": "opt_str", "tls_key": "opt_str", "tls_ca": "opt_str"},
     "station": {"layers": "layers", "device": "str", "dtype": "str", "kv_bytes": "size",
                 "num_gpus": "nonneg_num", "num_cpus": "nonneg_num", "linear_backend": "str"},

@@ -44,6 +44,8 @@ class Cluster:
         self.tls = config.cluster.tls()
         self._scale_lock = threading.Lock()
         self._generation = 0
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="station-health-watch", daemon=True)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self, tokenizer=None) -> None:
@@ -65,6 +67,7 @@ class Cluster:
         self._launch(self.specs)
         self.engine = Engine([self._links[s] for s in self.specs], self.model, self.config.scheduler, tokenizer,
                              recover=self.recover)
+        self._watcher.start()
 
     def stop(self) -> None:
         """Stop the engine and every station actor (and Ray, if this cluster started it)."""
@@ -72,6 +75,7 @@ class Cluster:
 
         from station.actor import stop_station
 
+        self._stopping.set()
         if self.engine is not None:
             self.engine.close()
         for spec in list(self._actors):
@@ -158,6 +162,22 @@ class Cluster:
                 self.progress(f"station [{spec.start}, {spec.end}) is back at {address}")
             return [self._links[s] for s in self.specs]
 
+    def _watch(self) -> None:
+        """Every `health_period_s`, ask each station of the route for its health (its forward-path probe);
+        one that says NOT_SERVING or does not answer within the call deadline sets off the engine's
+        recovery, which restarts it and replays its sequences, even while no request is running."""
+        while not self._stopping.wait(self.config.cluster.health_period_s):
+            if not self._scale_lock.acquire(blocking=False):
+                continue  # growing or recovering: that path checks the stations itself
+            try:
+                links = [self._links[s] for s in self.specs]
+            finally:
+                self._scale_lock.release()
+            sick = next((link for link in links if not link.client.health()), None)
+            if sick is not None and not self._stopping.is_set():
+                self.progress(f"station at {sick.address} fails its health check: recovering the route")
+                self.engine.recover_route()
+
     # ---- status ----------------------------------------------------------------------------------
     def status(self) -> dict:
         """Stations (layer ranges, addresses, health, KV), and the engine's queues and waves."""
@@ -179,13 +199,17 @@ class Cluster:
     def _launch(self, specs: tuple[StationSpec, ...]) -> None:
         from station.actor import create_station, station_address
 
+        from station.probe import ProbeConfig
+
+        cc = self.config.cluster
+        probe = ProbeConfig(period_s=cc.health_period_s, hang_s=cc.call_timeout_s)
         started = time.monotonic()
         handles = {}
         for spec in specs:
             self.progress(f"station [{spec.start}, {spec.end}) on {spec.device}/{spec.dtype}: loading")
             handles[spec] = create_station(self.model_dir, spec, host=self.config.cluster.station_host,
                                            max_restarts=self.config.cluster.max_restarts, token=self.token,
-                                           tls=self.tls)
+                                           tls=self.tls, probe=probe)
         for spec, handle in handles.items():
             address = station_address(handle, timeout_s=600)
             self._actors[spec] = handle

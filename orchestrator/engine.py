@@ -185,6 +185,12 @@ class Engine:
         old.barrier()
         old.close()
 
+    def recover_route(self) -> None:
+        """A station failed its health check: rebuild the route now (as after a failed call), when recovery is on."""
+        with self._lock:
+            if self._recover is not None and not self._closed:
+                self._begin_recovery()
+
     def _begin_recovery(self) -> None:
         """Under the lock: stop planning and rebuild the route in the background."""
         if not self._recovering:

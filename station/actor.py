@@ -23,6 +23,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from mesh.config import StationSpec
 from orchestrator.metrics import StationMetrics
 from station.kv import DEFAULT_BLOCK_TOKENS
+from station.probe import ProbeConfig
 from station.server import ServerLimits, info_reply, start_server
 from station.step import Station
 
@@ -48,8 +49,9 @@ class StationActor:
 
     def __init__(self, model_dir: str, spec: StationSpec | Mapping[str, Any], host: str = "127.0.0.1",
                  block_tokens: int = DEFAULT_BLOCK_TOKENS, limits: ServerLimits | None = None,
-                 token: str | None = None, tls: Any = None) -> None:
-        """Load the station and serve it; `token` / `tls` (StationTls): what every caller must present."""
+                 token: str | None = None, tls: Any = None, probe: ProbeConfig | None = None) -> None:
+        """Load the station and serve it; `token` / `tls` (StationTls): what every caller must present;
+        `probe`: prove the forward path to the health service (see station.probe)."""
         spec = spec_from(spec)
         torch.set_num_threads(max(1, int(spec.num_cpus)))  # Ray pins OMP threads to num_cpus; say so explicitly
         self.station = Station(model_dir, spec, block_tokens)
@@ -59,7 +61,8 @@ class StationActor:
         self._metrics_http = StationMetrics(self.station, wire=self._wire_bytes).serve(host, 0)
         self._metrics_address = _host_port(advertised, self._metrics_http.server_port)
         self.server = start_server(self.station, host=host, port=0, limits=limits or ServerLimits(),
-                                   metrics_address=self._metrics_address, token=token, tls=tls)
+                                   metrics_address=self._metrics_address, token=token, tls=tls,
+                                   probe=probe)
         self._address = _host_port(advertised, self.server.port)
 
     def _wire_bytes(self) -> dict[str, int]:
@@ -101,7 +104,8 @@ class StationActor:
 
 def create_station(model_dir: str | Path, spec: StationSpec, *, name: str | None = None, max_restarts: int = 3,
                    host: str = "127.0.0.1", block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                   limits: ServerLimits | None = None, token: str | None = None, tls: Any = None) -> Any:
+                   limits: ServerLimits | None = None, token: str | None = None, tls: Any = None,
+                   probe: ProbeConfig | None = None) -> Any:
     """Start a StationActor with the spec's Ray resources and return its handle at once (it loads meanwhile).
 
     Call tasks are never retried by Ray (max_task_retries=0): a wave lost with a dead station is
@@ -111,7 +115,7 @@ def create_station(model_dir: str | Path, spec: StationSpec, *, name: str | None
                             max_task_retries=0)(StationActor)
     if name is not None:
         remote_cls = remote_cls.options(name=name)
-    return remote_cls.remote(str(model_dir), dataclasses.asdict(spec), host, block_tokens, limits, token, tls)
+    return remote_cls.remote(str(model_dir), dataclasses.asdict(spec), host, block_tokens, limits, token, tls, probe)
 
 
 def launch_station(model_dir: str | Path, spec: StationSpec, *, name: str | None = None, max_restarts: int = 3,

@@ -41,6 +41,7 @@ from mesh.proto import station_pb2 as pb
 from mesh.proto import station_pb2_grpc
 from mesh.wire import WireError, decode_forward, samples_to_proto, tensor_to_proto
 from station.kv import KVBudgetError
+from station.probe import HealthProbe, ProbeConfig
 from station.step import Station, StepError
 
 log = logging.getLogger(__name__)
@@ -166,6 +167,22 @@ class StationServicer(station_pb2_grpc.StationServicer):
         finally:
             self._pending.release()
 
+    def probe(self, hang_s: float) -> bool:
+        """Run the station's probe row under the station lock: False when the lock stays held for `hang_s`
+        (a forward that does not end) or the forward path fails; a full KV counts as working."""
+        if not self._lock.acquire(timeout=hang_s):
+            return False
+        try:
+            self.station.probe()
+            return True
+        except KVBudgetError:
+            return True  # full, not broken: the step answered with its clean refusal
+        except Exception:  # noqa: BLE001 - any failure of the forward path means unhealthy
+            log.exception("health probe: the forward path failed")
+            return False
+        finally:
+            self._lock.release()
+
     def _guarded(self, context: grpc.ServicerContext, method: str, fn: Callable[[], _R]) -> _R:
         """Run fn; map a failure to its status code and abort the call (the server goes on)."""
         try:
@@ -229,15 +246,18 @@ class StationServer:
     """A running gRPC server over one station: its address, and how to stop it."""
 
     def __init__(self, server: grpc.Server, health_servicer: health.HealthServicer, servicer: StationServicer,
-                 host: str, port: int) -> None:
+                 host: str, port: int, probe: HealthProbe | None = None) -> None:
         self._server = server
         self._health = health_servicer
+        self._probe = probe
         self.servicer = servicer
         self.host, self.port = host, port
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Report NOT_SERVING, finish in-flight calls for up to `grace` seconds, then stop."""
+        if self._probe is not None:
+            self._probe.stop()
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
 
@@ -254,9 +274,11 @@ class StationServer:
 
 def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limits: ServerLimits = ServerLimits(),
                  metrics_address: str = "", *, token: str | None = None,
-                 tls: StationTls | None = None) -> StationServer:
+                 tls: StationTls | None = None, probe: ProbeConfig | None = None) -> StationServer:
     """Serve `station` on host:port (0 = a free port); health is SERVING once this returns.
 
+    `probe`: keep the health answer true to the forward path (station.probe): a probe row every
+    `probe.period_s`; NOT_SERVING while it fails or a forward holds the station past `probe.hang_s`.
     `token`: Forward / Release / Info need `authorization: Bearer <token>` (health stays open).
     `tls`: serve mutual TLS (clients must present a certificate signed by `tls.ca`).
     """
@@ -284,8 +306,13 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
     if bound == 0:
         raise OSError(f"station server: cannot bind {bind}")
     server.start()
-    for service in ("", SERVICE_NAME):  # the model is loaded: the Station exists
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    def set_serving(ok: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            health_servicer.set(service, status)
+
+    set_serving(True)  # the model is loaded: the Station exists
+    prober = HealthProbe(servicer.probe, set_serving, probe).start() if probe is not None else None
     log.info("station [%d, %d) serving on %s:%d%s%s", station.spec.start, station.spec.end, host, bound,
              " (mTLS)" if tls else "", " (token)" if token is not None else "")
-    return StationServer(server, health_servicer, servicer, host, bound)
+    return StationServer(server, health_servicer, servicer, host, bound, prober)

@@ -15,11 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from mesh.config import ModelConfig, StationSpec
-from mesh.model.kernels import pick_linear, use_linear_kernel
+from mesh.model.kernels import batch_invariant_linear, pick_linear, use_batch_invariant_linears, use_linear_kernel
 from mesh.model.loader import TORCH_DTYPES, load_range
 from mesh.sampling import sample_tokens
 from mesh.wave import SampledToken, WaveEntry, wave_rows
 from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats
+
+
+PROBE_SEQ_ID = 2**64  # one past the wire's largest seq_id (uint64): no client sequence can be the probe
 
 
 class StepError(ValueError):
@@ -128,7 +131,11 @@ class Station:
         self.device = torch.device(spec.device)
         self.dtype = TORCH_DTYPES[spec.dtype]
         self.model, self.load_report = load_range(model_dir, self.config, spec.start, spec.end, spec.dtype, spec.device)
-        use_linear_kernel(self.model, pick_linear(spec.linear_backend, self.device, self.dtype))
+        kernel = pick_linear(spec.linear_backend, self.device, self.dtype)
+        if kernel is batch_invariant_linear:
+            use_batch_invariant_linears(self.model)
+        else:
+            use_linear_kernel(self.model, kernel)
         self.kv = KVPool(self.config, spec, block_tokens)
         self._forwards = self._rows = 0
         self._seconds = {"prefill": 0.0, "decode": 0.0}
@@ -226,6 +233,18 @@ class Station:
             raise StepError(f"hidden: expected {self.spec.dtype} {list(want)}, got "
                             f"{str(hidden.dtype).removeprefix('torch.')} {list(hidden.shape)}")
         return hidden.to(self.device)
+
+    def probe(self) -> None:
+        """Run one throwaway row through every layer (the health check's proof that the forward path works),
+        leaving no KV and no counters behind; raises KVBudgetError when not even one block is free."""
+        x = (torch.zeros(1, dtype=torch.long) if self.is_first
+             else torch.zeros(1, self.config.hidden_size, dtype=self.dtype)).to(self.device)  # [1] or [1, d]
+        self.kv.reserve({PROBE_SEQ_ID: 1})
+        try:
+            with torch.inference_mode():
+                self._compute((WaveEntry(PROBE_SEQ_ID, 0, 1),), x, want_logits=False)
+        finally:
+            self.kv.release(PROBE_SEQ_ID)
 
     def release(self, seq_ids: list[int] | tuple[int, ...]) -> int:
         """Free the KV of these sequences; returns how many were resident."""

@@ -148,3 +148,38 @@ def test_sigterm_drains_then_stops_every_station(tmp_path, env, tiny_llama):
     for pid in station_pids:  # no orphan station process
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_sigkill_of_the_orchestrator_leaves_no_station_running(tmp_path, env, tiny_llama):
+    """`mesh up` killed outright (no drain, no cleanup code runs): its station actors die with it."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = tmp_path / "two.yaml"
+    cfg.write_text(f"model: {{path: {tiny_llama}}}\napi: {{host: 127.0.0.1, port: {port}}}\n"
+                   "stations: {count: 2}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", str(cfg)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_healthy(url)
+        station_pids = [s["pid"] for s in json.loads(_mesh("status", "--url", url, "--json", env=env).stdout)["stations"]]
+        assert len(station_pids) == 2 and all(station_pids)
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 60
+    alive = list(station_pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _running(pid)]
+        time.sleep(0.5)
+    assert alive == [], f"station processes {alive} outlived the killed orchestrator"
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -186,6 +186,32 @@ def test_sigstop_station_is_detected_and_restarted(local_ray, tiny_llama):
         cluster.stop()
 
 
+def test_idle_hung_station_is_found_by_its_health_and_restarted(local_ray, tiny_llama):
+    """No request running: a stopped station is found by the health watch (period + call deadline),
+    restarted, and the next request gets its reference tokens."""
+    prompts, params = jobs(1, max_tokens=16)
+    ref = reference(tiny_llama, prompts, params)
+    period, call_timeout = 1.0, 3.0
+    cluster = _cluster(tiny_llama, call_timeout_s=call_timeout, restart_timeout_s=60, health_period_s=period)
+    pid = _pid(cluster, 1)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while not cluster.engine.stats().recovery_seconds and time.monotonic() - t0 < 120:
+            time.sleep(0.1)
+        found_and_restarted = time.monotonic() - t0
+        assert cluster.engine.stats().recovery_seconds, "the stopped station was never recovered"
+        print(f"\nidle SIGSTOP found and the station restarted in {found_and_restarted:.1f}s")
+        assert _pid(cluster, 1) != pid
+        assert cluster.engine.submit(prompts[0], params[0]).result(timeout=120)[0].token_ids == ref[0]
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        cluster.stop()
+
+
 def test_station_with_no_restarts_left_ends_requests_and_refuses_new(local_ray, tiny_llama):
     from orchestrator.engine import AdmissionError
 
