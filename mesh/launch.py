@@ -45,6 +45,7 @@ class Cluster:
         self._scale_lock = threading.Lock()
         self._generation = 0
         self._stopping = threading.Event()
+        self.on_restart: Callable[[], None] | None = None  # called after a station came back on a new address
         self._watcher = threading.Thread(target=self._watch, name="station-health-watch", daemon=True)
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -144,6 +145,7 @@ class Cluster:
         from station.actor import station_address
 
         timeout = self.config.cluster.restart_timeout_s
+        moved = False
         with self._scale_lock:
             for spec in self.specs:
                 link, handle = self._links[spec], self._actors[spec]
@@ -159,8 +161,15 @@ class Cluster:
                     address = station_address(handle, timeout_s=timeout)
                 link.close()
                 self._links[spec] = self._link(address)
+                moved = True
                 self.progress(f"station [{spec.start}, {spec.end}) is back at {address}")
-            return [self._links[s] for s in self.specs]
+            links = [self._links[s] for s in self.specs]
+        if moved and self.on_restart is not None:
+            try:
+                self.on_restart()
+            except Exception as e:  # noqa: BLE001 - the route is back all the same; say what failed
+                self.progress(f"after a station restart: {type(e).__name__}: {e}")
+        return links
 
     def _watch(self) -> None:
         """Every `health_period_s`, ask each station of the route for its health (its forward-path probe);

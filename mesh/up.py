@@ -98,6 +98,8 @@ def build_app(cluster, config: MeshConfig):
         except OSError as e:  # the route changed all the same: say so rather than fail the call
             print(f"wavemesh: cannot rewrite {config.cluster.targets_file}: {e}", file=sys.stderr, flush=True)
 
+    cluster.on_restart = refresh_targets  # a restarted station listens on new ports
+
     def _specs(specs) -> dict:
         return {"stations": [{"layers": list(s.layers), "device": s.device, "num_gpus": s.num_gpus} for s in specs]}
 

@@ -116,7 +116,7 @@ def test_without_recovery_a_lost_call_ends_only_that_wave(tiny_llama):
 ray = pytest.importorskip("ray")
 
 
-def _cluster(model_dir, **cluster_kw):
+def _cluster(model_dir, tokenizer=None, **cluster_kw):
     from mesh.cluster import ClusterConfig, MeshConfig, ModelSource
     from mesh.launch import Cluster
 
@@ -125,7 +125,7 @@ def _cluster(model_dir, **cluster_kw):
                      scheduler=SchedulerConfig(max_seqs=16, max_wave_tokens=64),
                      cluster=ClusterConfig(**cluster_kw))
     cluster = Cluster(cfg, model_dir, progress=lambda msg: None)
-    cluster.start()
+    cluster.start(tokenizer)
     return cluster
 
 
@@ -209,6 +209,35 @@ def test_idle_hung_station_is_found_by_its_health_and_restarted(local_ray, tiny_
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
+        cluster.stop()
+
+
+def test_targets_file_follows_a_restarted_station(local_ray, tiny_llama, tmp_path):
+    """The Prometheus targets file names a restarted station's new metrics endpoint."""
+    import json
+
+    from mesh.up import build_app
+
+    targets = tmp_path / "targets.json"
+    cluster = _cluster(tiny_llama, Tokenizer.from_file(str(tiny_llama / "tokenizer.json")), call_timeout_s=3,
+                       restart_timeout_s=60, health_period_s=1.0, targets_file=str(targets))
+    try:
+        build_app(cluster, cluster.config)
+
+        def station_targets():
+            groups = json.loads(targets.read_text())
+            return sorted(g["targets"][0] for g in groups if g["labels"]["job"] == "wavemesh-station")
+
+        before = station_targets()
+        assert len(before) == 2
+        os.kill(_pid(cluster, 1), signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while station_targets() == before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        after = station_targets()
+        assert after != before, "the targets file still names the dead station's endpoint"
+        assert after == sorted(s["metrics_address"] for s in cluster.status()["stations"])
+    finally:
         cluster.stop()
 
 
