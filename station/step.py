@@ -57,9 +57,10 @@ class WaveAttention:
     Every row's attention is computed the same way whatever else is in the wave, so its
     bits never depend on its company: a prompt chunk attends alone over exactly its
     sequence's keys; decode rows are batched only with rows whose sequences span the
-    same number of KV blocks (the same padded key length), and each decode query is
-    sent as two equal rows, because torch's CPU kernel for a single query row changes
-    its bits with the batch size and the thread count while the general one does not.
+    same number of KV blocks (the same padded key length), through two batched matmuls
+    and a softmax, whose per-row results do not change with the batch or the thread
+    count (torch's fused CPU kernel for a single query row changes both, and is slower
+    here).
     """
 
     def __init__(self, kv: KVPool, first_layer: int, entries: tuple[WaveEntry, ...], device: torch.device,
@@ -84,25 +85,27 @@ class WaveAttention:
             row += e.n_tokens
         self.blocks = torch.cat(blocks).to(device)  # [T]
         self.offsets = torch.cat(offsets).to(device)  # [T]
-        self.decode_groups = []  # (rows [B], block tables [B, nb], mask [B, 1, 2, S])
+        self.decode_groups = []  # (rows [B], block tables [B, nb], hidden key positions [B, 1, 1, S])
         for nb, group in by_blocks.items():
             lens = torch.tensor([length for _, _, length in group])[:, None]  # [B, 1]
             k_pos = torch.arange(nb * kv.block_tokens)[None, :]  # [1, S]
             mask = (k_pos < lens) & _visible(k_pos, lens - 1, window)  # [B, S]
             self.decode_groups.append((torch.tensor([r for r, _, _ in group], device=device),
                                        torch.stack([t for _, t, _ in group]).to(device),
-                                       mask[:, None, None, :].expand(-1, 1, 2, -1).to(device)))
+                                       ~mask[:, None, None, :].to(device)))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; stores k/v first."""
         local = layer - self.first_layer
         self.kv.write(local, self.blocks, self.offsets, k, v)
         out = torch.empty_like(q)  # [T, H, D]
-        for rows, tables, mask in self.decode_groups:
-            keys, values = self.kv.gather(local, tables)  # [B, KVH, S, D]
-            qd = q.index_select(0, rows).unsqueeze(2).expand(-1, -1, 2, -1)  # [B, H, 2, D]: the row twice
-            od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, enable_gqa=True)
-            out.index_copy_(0, rows, od[:, :, 0])
+        for rows, tables, hidden in self.decode_groups:
+            keys, values = (t.contiguous() for t in self.kv.gather(local, tables))  # [B, KVH, S, D]: strides
+            b, kvh, _, d = keys.shape  # independent of B, so matmul takes the same path at every B
+            qd = q.index_select(0, rows).view(b, kvh, -1, d)  # [B, KVH, G, D]: query heads grouped by KV head
+            scores = torch.matmul(qd, keys.transpose(-1, -2)) * d**-0.5  # [B, KVH, G, S]
+            probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)  # [B, KVH, G, S]
+            out.index_copy_(0, rows, torch.matmul(probs, values).view(b, -1, d))  # [B, H, D]
         for rows, table, mask in self.chunks:
             keys, values = self.kv.gather(local, table[None])  # [1, KVH, S', D]
             s = mask.shape[1]
