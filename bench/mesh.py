@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--tokens", type=int, help="output tokens per request (default 32)")
     p.add_argument("--max-seqs", type=int, default=16)
+    p.add_argument("--extra-waves", type=int, default=0,
+                   help="waves in flight beyond one per station (SchedulerConfig.extra_waves), every config")
     p.add_argument("--repeats", type=int, help="repeats of every point, median (default 3)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quick", action="store_true", help="defaults: tiny model, concurrency 1,4, 8 tokens, configs "
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model(args.model, "tiny" if args.quick else "bench")
     cfg = ModelConfig.from_dir(model_dir)
     sched = SchedulerConfig(max_seqs=args.max_seqs, max_wave_tokens=max(512, args.max_seqs),
-                            max_queue=max(256, *args.concurrency))
+                            max_queue=max(256, *args.concurrency), extra_waves=args.extra_waves)
     log(f"model {model_dir} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {args.dtype}, cpu); "
         f"configs {args.configs}; K {args.concurrency}; prompt {args.prompt}, {args.tokens} tokens; "
         f"{args.repeats} repeats")
@@ -300,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = {
         "tok_s": tok_s, "detail": detail, "targets": targets, "tokens_match_inproc": match,
         "stations": {c: up[c][2] for c in args.configs}, "concurrency": args.concurrency, "prompt": args.prompt,
-        "tokens": args.tokens, "max_seqs": args.max_seqs, "repeats": args.repeats, "dtype": args.dtype,
+        "tokens": args.tokens, "max_seqs": args.max_seqs, "extra_waves": args.extra_waves, "repeats": args.repeats, "dtype": args.dtype,
         "model": str(model_dir), "machine": mach, "loadavg_1m_end": os.getloadavg()[0],
     }
     print(json.dumps(figures))

@@ -30,6 +30,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch
 
 from mesh.cli import resolve_model
+from mesh.compute import on_compute_thread
 from mesh.hostinfo import describe_machine
 from mesh.config import DTYPE_BYTES, ModelConfig, SchedulerConfig, StationSpec
 from mesh.params import SamplingParams
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+        on_compute_thread(torch.set_num_threads, args.threads)
     mach = describe_machine()
     model_dir = resolve_model(args.model, "bench")
     cfg = ModelConfig.from_dir(model_dir)
@@ -228,9 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     del station
     hf, match = None, None
     if not args.no_hf:
-        model = load_hf(model_dir, args.dtype)
-        run_hf(model, [(p[:8], 2) for p, _ in mixed[:2]], args.hf_batch)  # warm-up
-        hf = run_hf(model, mixed, args.hf_batch)
+        # on the compute thread, where our station ran: the same OpenMP team for both (see mesh.compute)
+        model = on_compute_thread(load_hf, model_dir, args.dtype)
+        on_compute_thread(run_hf, model, [(p[:8], 2) for p, _ in mixed[:2]], args.hf_batch)  # warm-up
+        hf = on_compute_thread(run_hf, model, mixed, args.hf_batch)
         match = sum(a == b for a, b in zip(ours["outputs"], hf["outputs"])) / len(mixed)
         log(f"mixed HF: {hf['tok_s']:.1f} useful tok/s in {hf['seconds']:.1f} s")
         del model

@@ -29,6 +29,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch  # noqa: E402
 
 from mesh.cli import resolve_model  # noqa: E402
+from mesh.compute import on_compute_thread  # noqa: E402
 from mesh.hostinfo import describe_machine  # noqa: E402
 from mesh.config import DTYPE_BYTES, ModelConfig, StationSpec  # noqa: E402
 from mesh.params import SamplingParams  # noqa: E402
@@ -185,6 +186,11 @@ def _fmt(v: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run every measurement, print the table and the figures, and end with one JSON line."""
+    # ours and HF's on the one compute thread: the same OpenMP team for both (see mesh.compute)
+    return on_compute_thread(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)

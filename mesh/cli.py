@@ -23,9 +23,10 @@ def resolve_model(path: str | None, preset: str = "tiny") -> Path:
     """A checkpoint directory: the one given, or the built-in synthetic model."""
     if path:
         return Path(path)
+    from mesh.compute import on_compute_thread
     from mesh.model.synthetic import builtin_model
 
-    return builtin_model(_cache_dir(), preset)
+    return on_compute_thread(builtin_model, _cache_dir(), preset)  # torch work stays on one thread (mesh.compute)
 
 
 def _parse_ids(text: str) -> list[int]:

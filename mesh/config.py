@@ -234,12 +234,15 @@ class SchedulerConfig:
     short_first: bool = False  # let short prompts jump the FIFO queue
     short_prompt_tokens: int = 64  # a prompt this long or shorter counts as short
     max_skips: int = 8  # a request passed over this many times is admitted next, short or not
+    extra_waves: int = 0  # waves in flight beyond one per station: hides call latency, in smaller groups
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_wave_tokens", "max_queue", "short_prompt_tokens", "max_skips"):
             v = getattr(self, name)
             _require(isinstance(v, int) and not isinstance(v, bool) and v > 0,
                      f"scheduler.{name} must be a positive integer, got {v!r}")
+        _require(isinstance(self.extra_waves, int) and not isinstance(self.extra_waves, bool)
+                 and self.extra_waves >= 0, f"scheduler.extra_waves must be an integer >= 0, got {self.extra_waves!r}")
         _require(self.max_wave_tokens >= self.max_seqs,
                  f"scheduler.max_wave_tokens ({self.max_wave_tokens}) must be >= max_seqs ({self.max_seqs}) "
                  "so every decoding sequence fits in one wave")

@@ -260,7 +260,7 @@ class Engine:
                 self._fill()
 
     def _fill(self) -> None:
-        depth = self.pipeline.depth
+        depth = self.pipeline.depth + self.config.extra_waves
         while self._in_flight < depth and not self._paused:
             cap = None
             if depth > 1:

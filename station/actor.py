@@ -22,6 +22,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from mesh.config import StationSpec
 from orchestrator.metrics import StationMetrics
+from mesh.compute import on_compute_thread
 from station.kv import DEFAULT_BLOCK_TOKENS
 from station.probe import ProbeConfig
 from station.server import ServerLimits, info_reply, start_server
@@ -53,7 +54,8 @@ class StationActor:
         """Load the station and serve it; `token` / `tls` (StationTls): what every caller must present;
         `probe`: prove the forward path to the health service (see station.probe)."""
         spec = spec_from(spec)
-        torch.set_num_threads(max(1, int(spec.num_cpus)))  # Ray pins OMP threads to num_cpus; say so explicitly
+        # Ray pins OMP threads to num_cpus; say so explicitly, on the thread that runs the station's torch work
+        on_compute_thread(torch.set_num_threads, max(1, int(spec.num_cpus)))
         self.station = Station(model_dir, spec, block_tokens)
         self.server = None
         advertised = ray.util.get_node_ip_address() if host in _WILDCARD_HOSTS else host

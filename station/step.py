@@ -19,6 +19,7 @@ from mesh.model.kernels import batch_invariant_linear, pick_linear, use_batch_in
 from mesh.model.loader import TORCH_DTYPES, load_range
 from mesh.sampling import sample_tokens
 from mesh.wave import SampledToken, WaveEntry, wave_rows
+from mesh.compute import on_compute_thread
 from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats
 
 
@@ -124,7 +125,11 @@ def _visible(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> to
 
 
 class Station:
-    """Layers [start, end) of a checkpoint, their KV, and the batched wave step."""
+    """Layers [start, end) of a checkpoint, their KV, and the batched wave step.
+
+    Loading, steps, probes and releases all run on the process's compute thread
+    (mesh.compute), whichever thread calls them.
+    """
 
     def __init__(self, model_dir: str | Path, spec: StationSpec, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
         self.model_dir = Path(model_dir)
@@ -133,15 +138,20 @@ class Station:
         self.spec = spec
         self.device = torch.device(spec.device)
         self.dtype = TORCH_DTYPES[spec.dtype]
-        self.model, self.load_report = load_range(model_dir, self.config, spec.start, spec.end, spec.dtype, spec.device)
+        on_compute_thread(self._load, block_tokens)
+        self._forwards = self._rows = 0
+        self._seconds = {"prefill": 0.0, "decode": 0.0}
+
+    def _load(self, block_tokens: int) -> None:
+        spec = self.spec
+        self.model, self.load_report = load_range(self.model_dir, self.config, spec.start, spec.end, spec.dtype,
+                                                  spec.device)
         kernel = pick_linear(spec.linear_backend, self.device, self.dtype)
         if kernel is batch_invariant_linear:
             use_batch_invariant_linears(self.model)
         else:
             use_linear_kernel(self.model, kernel)
         self.kv = KVPool(self.config, spec, block_tokens)
-        self._forwards = self._rows = 0
-        self._seconds = {"prefill": 0.0, "decode": 0.0}
 
     @property
     def is_first(self) -> bool:
@@ -160,6 +170,10 @@ class Station:
         The first station takes token_ids [T], later ones hidden [T, d]. The last station samples one token
         for each entry with `sample` set (and returns those rows' logits when `want_logits`).
         """
+        return on_compute_thread(self._forward, entries, token_ids, hidden, want_logits)
+
+    def _forward(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor | None, hidden: torch.Tensor | None,
+                 want_logits: bool) -> StepOutput:
         t0 = time.perf_counter()
         x = self._validate(entries, token_ids, hidden)
         before = {e.seq_id: self.kv.length(e.seq_id) for e in entries}
@@ -240,6 +254,9 @@ class Station:
     def probe(self) -> None:
         """Run one throwaway row through every layer (the health check's proof that the forward path works),
         leaving no KV and no counters behind; raises KVBudgetError when not even one block is free."""
+        on_compute_thread(self._probe)
+
+    def _probe(self) -> None:
         x = (torch.zeros(1, dtype=torch.long) if self.is_first
              else torch.zeros(1, self.config.hidden_size, dtype=self.dtype)).to(self.device)  # [1] or [1, d]
         self.kv.reserve({PROBE_SEQ_ID: 1})
@@ -251,7 +268,7 @@ class Station:
 
     def release(self, seq_ids: list[int] | tuple[int, ...]) -> int:
         """Free the KV of these sequences; returns how many were resident."""
-        return sum(self.kv.release(s) for s in seq_ids)
+        return on_compute_thread(lambda: sum(self.kv.release(s) for s in seq_ids))
 
     def stats(self) -> StationStats:
         """Counters and KV occupancy."""

@@ -9,6 +9,7 @@ from mesh.config import StationSpec
 from mesh.model.kernels import batch_invariant_linear, pick_linear
 from mesh.params import SamplingParams
 from mesh.wave import WaveEntry
+from mesh.compute import on_compute_thread
 from station.step import Station
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
@@ -66,14 +67,15 @@ def test_logits_are_bitwise_the_same_in_any_company(station, company):
 
 
 def test_logits_are_bitwise_the_same_at_another_thread_count(station):
-    threads = torch.get_num_threads()
+    threads = on_compute_thread(torch.get_num_threads)  # the station computes on this process's compute thread
     company = [(1, 20, 0), (2, 60, 4)]
     reference = _logits_of_seq0(station, company)
     other = 1 if threads > 1 else 2
-    torch.set_num_threads(other)
+    on_compute_thread(torch.set_num_threads, other)
     try:
+        assert on_compute_thread(torch.get_num_threads) == other
         again = _logits_of_seq0(station, company)
     finally:
-        torch.set_num_threads(threads)
+        on_compute_thread(torch.set_num_threads, threads)
     differ = [i for i, (a, b) in enumerate(zip(reference, again)) if not torch.equal(a, b)]
     assert differ == [], f"waves whose logits differ between {threads} and {other} threads: {differ}"

@@ -12,6 +12,7 @@ from mesh.params import SamplingParams
 from orchestrator.engine import Engine
 from orchestrator.remote import RemoteLink
 from station.actor import StationActor
+from mesh.compute import on_compute_thread
 
 
 def _samples(address: str) -> dict[tuple[str, tuple], float]:
@@ -23,14 +24,14 @@ def _samples(address: str) -> dict[tuple[str, tuple], float]:
 
 @pytest.fixture
 def actors(tiny_llama):
-    threads = torch.get_num_threads()  # the actor pins torch threads to num_cpus; give this process its own back
+    threads = on_compute_thread(torch.get_num_threads)  # the actor pins the station threads; give them back
     made = []
     try:
         yield lambda spec: made.append(StationActor(str(tiny_llama), spec)) or made[-1]
     finally:
         for a in made:
             a.shutdown(0)
-        torch.set_num_threads(threads)
+        on_compute_thread(torch.set_num_threads, threads)
 
 
 def test_station_actor_serves_metrics_with_wire_bytes(tiny_llama, actors):
@@ -70,7 +71,7 @@ def test_station_actor_serves_metrics_with_wire_bytes(tiny_llama, actors):
 
 
 def test_shutdown_stops_the_metrics_endpoint(tiny_llama):
-    threads = torch.get_num_threads()
+    threads = on_compute_thread(torch.get_num_threads)
     try:
         actor = StationActor(str(tiny_llama), StationSpec(layers=(0, 6)))
         address = actor.metrics_address()
@@ -79,4 +80,4 @@ def test_shutdown_stops_the_metrics_endpoint(tiny_llama):
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://{address}/metrics", timeout=5)
     finally:
-        torch.set_num_threads(threads)
+        on_compute_thread(torch.set_num_threads, threads)
