@@ -82,6 +82,8 @@ def test_unknown_keys_are_refused_at_every_level(tmp_path, text, parts):
     (GOOD + "api: {max_n: 0}\n", ["api.max_n: expected a positive integer, got 0"]),
     (GOOD + "cluster: {call_timeout_s: 0}\n", ["cluster.call_timeout_s: expected a number > 0, got 0"]),
     (GOOD + "cluster: {shutdown_timeout_s: -1}\n", ["cluster.shutdown_timeout_s: expected a number >= 0"]),
+    (GOOD + "cluster: {health_period_s: 0}\n", ["cluster.health_period_s: expected a number > 0, got 0"]),
+    (GOOD + "scheduler: {extra_waves: -1}\n", ["scheduler.extra_waves: expected an integer >= 0"]),
     (GOOD + "cluster: {token: ''}\n", ["cluster.token: expected a non-empty string or null"]),
     (GOOD + "ray: {address: 6379}\n", ["ray.address: expected a non-empty string or null, got 6379"]),
     ("dtype: float32\n", ["model: missing"]),
@@ -170,9 +172,11 @@ kv_bytes: 64MiB
 stations:
   - {layers: [5, 12], device: cuda, dtype: bfloat16, kv_bytes: 1GiB, num_cpus: 2}
   - {layers: [0, 5], num_gpus: 0}
-scheduler: {max_seqs: 16, max_wave_tokens: 256, max_queue: 8, short_first: true, short_prompt_tokens: 32, max_skips: 2}
+scheduler: {max_seqs: 16, max_wave_tokens: 256, max_queue: 8, short_first: true, short_prompt_tokens: 32, max_skips: 2,
+            extra_waves: 1}
 api: {host: 0.0.0.0, port: 9000, api_key: sk-test, model_name: bench, max_n: 4}
-cluster: {token: s3cret, station_host: 0.0.0.0, call_timeout_s: 5, shutdown_timeout_s: 0, targets_file: /tmp/t.json}
+cluster: {token: s3cret, station_host: 0.0.0.0, call_timeout_s: 5, shutdown_timeout_s: 0, targets_file: /tmp/t.json,
+          health_period_s: 2.5}
 """
     cfg = load_mesh_config(_write(tmp_path, text))
     assert cfg == MeshConfig(
@@ -180,8 +184,9 @@ cluster: {token: s3cret, station_host: 0.0.0.0, call_timeout_s: 5, shutdown_time
         kv_bytes=64 * 2**20, stations=(
             StationSpec((5, 12), device="cuda", dtype="bfloat16", kv_bytes=2**30, num_gpus=1.0, num_cpus=2.0),
             StationSpec((0, 5), device="cpu", dtype="float16", kv_bytes=64 * 2**20, num_gpus=0.0, num_cpus=1.0)),
-        scheduler=SchedulerConfig(16, 256, 8, True, 32, 2), api=ApiConfig("0.0.0.0", 9000, "sk-test", "bench", 4),
-        cluster=ClusterConfig("s3cret", "0.0.0.0", 5.0, 0.0, "/tmp/t.json"))
+        scheduler=SchedulerConfig(16, 256, 8, True, 32, 2, extra_waves=1),
+        api=ApiConfig("0.0.0.0", 9000, "sk-test", "bench", 4),
+        cluster=ClusterConfig("s3cret", "0.0.0.0", 5.0, 0.0, "/tmp/t.json", health_period_s=2.5))
     assert [s.layers for s in cfg.resolve(12)] == [(0, 5), (5, 12)]  # sorted by start
 
 

@@ -91,6 +91,20 @@ def test_pipelined_stations_keep_parity(tiny_llama, reference, ranges):
         engine.close()
 
 
+@pytest.mark.parametrize("ranges", [((0, 6),), ((0, 2), (2, 6))])
+def test_extra_waves_in_flight_keep_parity(tiny_llama, reference, ranges):
+    """More waves in flight than stations: smaller groups queue at each station; tokens unchanged."""
+    engine = _engine(tiny_llama, ranges, max_seqs=16, max_wave_tokens=64, extra_waves=2)
+    try:
+        prompts, params = _jobs()
+        streams = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        assert [s.result(timeout=120)[0].token_ids for s in streams] == reference
+        assert engine.stats().waves > 0
+        _assert_empty(engine)
+    finally:
+        engine.close()
+
+
 def test_cancel_preempt_and_finish_leave_nothing(tiny_llama, reference):
     # a KV budget of 12 blocks forces preemptions among 16 requests
     block = 16 * 2 * 6 * 2 * 16 * 4
