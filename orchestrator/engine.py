@@ -2,9 +2,9 @@
 
 One wave-loop thread owns the scheduler's plan/commit cycle; submit() and
 cancel() take the same lock from any thread, so admission errors are raised to
-the caller at once. The loop keeps up to `pipeline.depth` waves in flight,
-splitting running sequences into groups so each station works on a different
-wave.
+the caller at once. The loop keeps up to `pipeline.depth` (one per station)
+plus `scheduler.extra_waves` waves in flight, splitting running sequences into
+groups so each station works on a different wave.
 """
 from __future__ import annotations
 

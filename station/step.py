@@ -3,7 +3,8 @@
 A wave is K entries (seq_id, start_pos, n_tokens), prompt chunks and decode
 tokens together, T rows in all. Every linear layer runs once over all T rows
 (one weight read per wave); attention runs per sequence against its own KV:
-decode rows (n == 1) in one padded batch, prompt chunks one by one.
+decode rows (n == 1) batched by key length, prompt chunks one by one. A row's
+result never depends on the rest of its wave (see WaveAttention, mesh.model.kernels).
 """
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mesh.compute import on_compute_thread
 from mesh.config import ModelConfig, StationSpec
-from mesh.model.kernels import batch_invariant_linear, pick_linear, use_batch_invariant_linears, use_linear_kernel
+from mesh.model.kernels import use_linear_backend
 from mesh.model.loader import TORCH_DTYPES, load_range
 from mesh.sampling import sample_tokens
 from mesh.wave import SampledToken, WaveEntry, wave_rows
-from mesh.compute import on_compute_thread
 from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats
 
 
@@ -146,11 +147,7 @@ class Station:
         spec = self.spec
         self.model, self.load_report = load_range(self.model_dir, self.config, spec.start, spec.end, spec.dtype,
                                                   spec.device)
-        kernel = pick_linear(spec.linear_backend, self.device, self.dtype)
-        if kernel is batch_invariant_linear:
-            use_batch_invariant_linears(self.model)
-        else:
-            use_linear_kernel(self.model, kernel)
+        use_linear_backend(self.model, spec.linear_backend, self.device, self.dtype)
         self.kv = KVPool(self.config, spec, block_tokens)
 
     @property

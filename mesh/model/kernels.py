@@ -95,6 +95,16 @@ def use_batch_invariant_linears(model: nn.Module) -> None:
             module.kernel = batch_invariant_linear
 
 
+def use_linear_backend(model: nn.Module, backend: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Set up every Linear of `model` for `backend` (see pick_linear): blocked weights and the
+    batch-invariant kernel when that is the pick, else the picked kernel as is."""
+    kernel = pick_linear(backend, device, dtype)
+    if kernel is batch_invariant_linear:
+        use_batch_invariant_linears(model)
+    else:
+        use_linear_kernel(model, kernel)
+
+
 def use_linear_kernel(model: torch.nn.Module, kernel: LinearKernel | None) -> None:
     """Point every Linear of `model` at `kernel` (None: F.linear)."""
     for module in model.modules():
