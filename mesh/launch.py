@@ -183,7 +183,7 @@ class Cluster:
             finally:
                 self._scale_lock.release()
             sick = next((link for link in links if not link.client.health()), None)
-            if sick is not None and not self._stopping.is_set():
+            if sick is not None and not self._stopping.is_set() and sick in self._links.values():  # not retired since
                 self.progress(f"station at {sick.address} fails its health check: recovering the route")
                 self.engine.recover_route()
 
@@ -207,7 +207,6 @@ class Cluster:
     # ---- internals -------------------------------------------------------------------------------
     def _launch(self, specs: tuple[StationSpec, ...]) -> None:
         from station.actor import create_station, station_address
-
         from station.probe import ProbeConfig
 
         cc = self.config.cluster
