@@ -38,7 +38,7 @@ import torch
 
 from mesh.cli import resolve_model
 from mesh.hostinfo import describe_machine
-from mesh.cluster import MeshConfig, ModelSource, layer_weights, plan_layers
+from mesh.cluster import MeshConfig, ModelSource, plan_layers, split_weights
 from mesh.config import ModelConfig, SchedulerConfig, StationSpec
 from mesh.params import SamplingParams
 from mesh.proto import station_pb2 as pb
@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--tokens", type=int, help="output tokens per request (default 32)")
     p.add_argument("--max-seqs", type=int, default=16)
+    p.add_argument("--balance", default="memory", choices=["memory", "compute"],
+                   help="how station counts are split (MeshConfig.balance)")
     p.add_argument("--extra-waves", type=int, default=0,
                    help="waves in flight beyond one per station (SchedulerConfig.extra_waves), every config")
     p.add_argument("--repeats", type=int, help="repeats of every point, median (default 3)")
@@ -140,10 +142,10 @@ class MeteredLink:
         return {"request": req, "reply": rep, "release": rel, "hidden_payload": hid}
 
 
-def station_specs(cfg: ModelConfig, count: int, dtype: str) -> tuple[StationSpec, ...]:
-    """`count` stations, memory-aware split, each with max(1, cores // count) CPUs (= its torch threads)."""
+def station_specs(cfg: ModelConfig, count: int, dtype: str, balance: str = "memory") -> tuple[StationSpec, ...]:
+    """`count` stations split by `balance`, each with max(1, cores // count) CPUs (= its torch threads)."""
     cpus = float(max(1, (os.cpu_count() or 1) // count))
-    ranges = plan_layers(cfg.num_hidden_layers, count, layer_weights(cfg, dtype))
+    ranges = plan_layers(cfg.num_hidden_layers, count, split_weights(cfg, dtype, balance))
     return tuple(StationSpec(layers=r, dtype=dtype, num_cpus=cpus) for r in ranges)
 
 
@@ -212,7 +214,7 @@ def start_configs(args, model_dir: Path, cfg: ModelConfig, sched: SchedulerConfi
             desc = [{"layers": list(spec.layers), "torch_threads": torch.get_num_threads(), "where": "in-process"}]
             up[name] = (Engine(links, cfg, sched, None), links, desc, None)
             continue
-        specs = station_specs(cfg, int(name), args.dtype)
+        specs = station_specs(cfg, int(name), args.dtype, args.balance)
         mesh_cfg = MeshConfig(model=ModelSource(path=str(model_dir)), dtype=args.dtype, stations=specs,
                               scheduler=sched)
         cluster = Cluster(mesh_cfg, model_dir, progress=log)
@@ -302,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = {
         "tok_s": tok_s, "detail": detail, "targets": targets, "tokens_match_inproc": match,
         "stations": {c: up[c][2] for c in args.configs}, "concurrency": args.concurrency, "prompt": args.prompt,
-        "tokens": args.tokens, "max_seqs": args.max_seqs, "extra_waves": args.extra_waves, "repeats": args.repeats, "dtype": args.dtype,
+        "tokens": args.tokens, "max_seqs": args.max_seqs, "extra_waves": args.extra_waves, "balance": args.balance, "repeats": args.repeats, "dtype": args.dtype,
         "model": str(model_dir), "machine": mach, "loadavg_1m_end": os.getloadavg()[0],
     }
     print(json.dumps(figures))

@@ -163,6 +163,7 @@ class MeshConfig:
     kv_bytes: int = DEFAULT_KV_BYTES  # default KV budget of every station
     stations: tuple[StationSpec, ...] | None = None  # explicit layer ranges (in YAML order) ...
     station_count: int | None = None  # ... or this many stations planned from the model
+    balance: str = "memory"  # a count's split evens: memory (bytes held) or compute (bytes read per decode step)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -173,6 +174,8 @@ class MeshConfig:
         _require(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
                  f"device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
         _require(_is_int(self.kv_bytes) and self.kv_bytes > 0, f"kv_bytes: must be > 0, got {self.kv_bytes!r}")
+        _require(self.balance in BALANCES, f"stations.balance: expected one of {', '.join(BALANCES)}, "
+                 f"got {self.balance!r}")
         _require((self.stations is None) != (self.station_count is None),
                  "stations: give exactly one of explicit ranges or a count")
         if self.station_count is not None:
@@ -196,13 +199,13 @@ class MeshConfig:
         """The stations for a model of `model` layers (or this ModelConfig), sorted by start.
 
         Explicit ranges must chain exactly 0..L; a count is planned by plan_layers, balancing
-        parameter bytes when given a ModelConfig (evenly by layers when given an int).
+        split_weights(model, dtype, balance) when given a ModelConfig (evenly by layers when given an int).
         """
         num_layers = model.num_hidden_layers if isinstance(model, ModelConfig) else model
         _require(_is_int(num_layers) and num_layers >= 1,
                  f"num_layers: expected a positive integer, got {num_layers!r}")
         if self.station_count is not None:
-            weights = layer_weights(model, self.dtype) if isinstance(model, ModelConfig) else None
+            weights = split_weights(model, self.dtype, self.balance) if isinstance(model, ModelConfig) else None
             ranges = plan_layers(num_layers, self.station_count, weights)
             return tuple(StationSpec(layers=r, **self.station_defaults()) for r in ranges)
         order = sorted(range(len(self.stations)), key=lambda i: self.stations[i].start)
@@ -250,6 +253,24 @@ def station_bytes(cfg: ModelConfig, start: int, end: int, dtype: str) -> int:
 def layer_weights(cfg: ModelConfig, dtype: str = "float32") -> list[int]:
     """Bytes per layer, with the embedding folded into layer 0 and norm + head into the last layer."""
     return [station_bytes(cfg, i, i + 1, dtype) for i in range(cfg.num_hidden_layers)]
+
+
+def step_weights(cfg: ModelConfig, dtype: str = "float32") -> list[int]:
+    """Bytes each layer reads per decode step, with the final norm + head (read whole every step) folded
+    into the last layer and no embedding (a step reads only its rows)."""
+    b = DTYPE_BYTES[dtype]
+    out = [_layer_params(cfg) * b] * cfg.num_hidden_layers
+    out[-1] += (cfg.hidden_size + cfg.vocab_size * cfg.hidden_size) * b
+    return out
+
+
+BALANCES = ("memory", "compute")
+
+
+def split_weights(cfg: ModelConfig, dtype: str = "float32", balance: str = "memory") -> list[int]:
+    """Per-layer weights a count split evens out: layer_weights (memory) or step_weights (compute)."""
+    _require(balance in BALANCES, f"stations.balance: expected one of {', '.join(BALANCES)}, got {balance!r}")
+    return layer_weights(cfg, dtype) if balance == "memory" else step_weights(cfg, dtype)
 
 
 def plan_layers(num_layers: int, count: int, weights=None) -> list[tuple[int, int]]:
@@ -413,9 +434,11 @@ def _model(raw: dict, base: Path | None) -> ModelSource:
 def _stations(raw: dict, top: MeshConfig) -> dict:
     d = {"count": 1} if raw.get("stations") is None else raw["stations"]
     if isinstance(d, dict):
-        count = _mapping(d, "stations", ("count",)).get("count")
+        d = _mapping(d, "stations", ("count", "balance"))
+        count, balance = d.get("count"), d.get("balance", "memory")
         _require(_is_int(count) and count >= 1, f"stations.count: expected a positive integer, got {_type(count)}")
-        return {"stations": None, "station_count": count}
+        _require(balance in BALANCES, f"stations.balance: expected one of {', '.join(BALANCES)}, got {_type(balance)}")
+        return {"stations": None, "station_count": count, "balance": balance}
     _require(isinstance(d, list) and len(d) > 0,
              f"stations: expected a list of {{layers: [start, end], ...}} or {{count: N}}, got {_type(d)}")
     specs = []

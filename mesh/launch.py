@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from mesh.cluster import MeshConfig, plan_layers, layer_weights
+from mesh.cluster import MeshConfig, plan_layers, split_weights
 from mesh.config import ConfigError, ModelConfig, StationSpec
 
 
@@ -86,10 +86,11 @@ class Cluster:
 
     # ---- growth ----------------------------------------------------------------------------------
     def scale(self, count: int) -> tuple[StationSpec, ...]:
-        """Re-plan the model over `count` stations (memory-aware) and move serving onto them."""
+        """Re-plan the model over `count` stations (balanced as `stations.balance` says) and move serving onto them."""
         if not (isinstance(count, int) and 1 <= count <= self.model.num_hidden_layers):
             raise ConfigError(f"stations: expected 1..{self.model.num_hidden_layers}, got {count!r}")
-        ranges = plan_layers(self.model.num_hidden_layers, count, layer_weights(self.model, self.config.dtype))
+        weights = split_weights(self.model, self.config.dtype, self.config.balance)
+        ranges = plan_layers(self.model.num_hidden_layers, count, weights)
         base = self.specs[0]
         return self.reroute(tuple(replace(base, layers=r) for r in ranges))
 

@@ -328,3 +328,23 @@ def test_a_checkpoint_config_loads_without_importing_torch(tmp_path):
             "f({'model': {'path': '/models/x'}, 'stations': {'count': 2}}, check_paths=False); "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
+
+
+def test_compute_balance_evens_bytes_read_per_step(tmp_path):
+    """balance: compute counts the head (read whole every step) but not the embedding (read by rows),
+    so the first station takes more layers than a memory split gives it and the per-step reads even out."""
+    from mesh.cluster import split_weights, step_weights
+
+    cfg = preset_config("bench")
+    memory = load_mesh_config(_write(tmp_path, "model: {preset: bench}\nstations: {count: 2}\n")).resolve(cfg)
+    compute = load_mesh_config(_write(tmp_path, "model: {preset: bench}\nstations: {count: 2, balance: compute}\n"))
+    assert compute.balance == "compute"
+    assert [s.layers for s in memory] == [(0, 6), (6, 12)]
+    ranges = [s.layers for s in compute.resolve(cfg)]
+    assert ranges == plan_layers(12, 2, step_weights(cfg)) and ranges[0][1] > 6
+    reads = [sum(step_weights(cfg)[a:b]) for a, b in ranges]
+    even_reads = [sum(step_weights(cfg)[a:b]) for a, b in ((0, 6), (6, 12))]
+    assert max(reads) < max(even_reads)
+    assert split_weights(cfg, "float32", "memory") == layer_weights(cfg)
+    with pytest.raises(ConfigError, match="stations.balance: expected one of memory, compute, got 'speed'"):
+        load_mesh_config(_write(tmp_path, "model: {preset: bench}\nstations: {count: 2, balance: speed}\n"))
