@@ -5,7 +5,7 @@
     mesh bench mesh ...  (same arguments)
 
 Configurations: `inproc` is an Engine over LocalLink(Station(full model)) in this process (torch's default
-threads); `N` is a Cluster of N Ray station actors (memory-aware layer split, plan_layers) driven over gRPC.
+threads); `N` is a Cluster of N Ray station actors (layer split by --balance, plan_layers) driven over gRPC.
 A lone station gets every core (num_cpus = torch threads = cores); in an N-station pipeline each gets
 max(1, cores // N), so the stations do not oversubscribe the machine. Every configuration is started once and
 kept up; repeats are the outer loop and configurations alternate inside it, so all share the machine's load.
@@ -38,7 +38,8 @@ import torch
 
 from mesh.cli import resolve_model
 from mesh.hostinfo import describe_machine
-from mesh.cluster import MeshConfig, ModelSource, plan_layers, split_weights
+from mesh.cluster import MeshConfig, ModelSource
+from mesh.layer_plan import plan_layers, split_weights
 from mesh.config import ModelConfig, SchedulerConfig, StationSpec
 from mesh.params import SamplingParams
 from mesh.proto import station_pb2 as pb

@@ -18,7 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from mesh.cluster import MeshConfig, plan_layers, split_weights
+from mesh.cluster import MeshConfig
+from mesh.layer_plan import plan_layers, split_weights
 from mesh.config import ConfigError, ModelConfig, StationSpec
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from mesh.cluster import (ClusterConfig, MeshConfig, ModelSource, RayConfig, default_mesh_config, layer_weights,
-                          load_mesh_config, mesh_config_from_dict, parse_size, plan_layers, station_bytes)
+from mesh.cluster import (ClusterConfig, MeshConfig, ModelSource, RayConfig, default_mesh_config, load_mesh_config,
+                          mesh_config_from_dict, parse_size)
+from mesh.layer_plan import layer_weights, plan_layers, split_weights, station_bytes, step_weights
 from mesh.config import ApiConfig, ConfigError, ModelConfig, SchedulerConfig, StationSpec
 from mesh.model.synthetic import preset_config
 
@@ -333,8 +334,6 @@ def test_a_checkpoint_config_loads_without_importing_torch(tmp_path):
 def test_compute_balance_evens_bytes_read_per_step(tmp_path):
     """balance: compute counts the head (read whole every step) but not the embedding (read by rows),
     so the first station takes more layers than a memory split gives it and the per-step reads even out."""
-    from mesh.cluster import split_weights, step_weights
-
     cfg = preset_config("bench")
     memory = load_mesh_config(_write(tmp_path, "model: {preset: bench}\nstations: {count: 2}\n")).resolve(cfg)
     compute = load_mesh_config(_write(tmp_path, "model: {preset: bench}\nstations: {count: 2, balance: compute}\n"))
