@@ -4,8 +4,9 @@ A row's result must not depend on which other rows share its wave: that is what
 makes a request's tokens the same alone, batched, re-prefilled on a new route or
 replayed after a fault, bit for bit. On x86 CPUs torch's float32 `F.linear` goes
 to MKL, whose kernel (and so the order of each dot product's additions) changes
-with the row count: a row computed with 1, 2..11 or 12+ others differs in its
-last bits, which flips a near-tie token now and then. oneDNN's linear uses one
+with the row count (measured here, three classes: 1 row; 2, 3, 5-7, 9-11 rows;
+4, 8 and 12 or more rows), and a row's last bits differ between them, which
+flips a near-tie token now and then. oneDNN's linear uses one
 kernel for every row count of 2 and more, whatever the thread count;
 `batch_invariant_linear` sends a single row through it as two, so every row
 count takes that one kernel. `use_batch_invariant_linears` also hands oneDNN its
