@@ -10,6 +10,8 @@ blocks.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -52,12 +54,14 @@ class KVPool:
         self.num_blocks = spec.kv_bytes // self.block_bytes
         if self.num_blocks < 1:
             raise KVBudgetError(f"kv_bytes {spec.kv_bytes} is below one block ({self.block_bytes} bytes)")
-        shape = (self.layers, cfg.num_key_value_heads, self.num_blocks, block_tokens, cfg.head_dim)
+        self.spare_block = self.num_blocks  # one block past the budget, lent by `spare` (never in the stats)
+        shape = (self.layers, cfg.num_key_value_heads, self.num_blocks + 1, block_tokens, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
         self.v = torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low indices first
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
+        self._spare: dict[int, list[int]] = {}  # a throwaway sequence on the spare block (the health probe)
 
     def length(self, seq_id: int) -> int | None:
         """Positions stored for `seq_id`, or None when the pool does not know it."""
@@ -65,7 +69,17 @@ class KVPool:
 
     def table(self, seq_id: int) -> list[int]:
         """The block table of a resident sequence."""
-        return self._tables[seq_id]
+        return self._spare.get(seq_id) or self._tables[seq_id]
+
+    @contextmanager
+    def spare(self, seq_id: int) -> Iterator[None]:
+        """Hold `seq_id`, one block long, on the spare block while the body runs: a throwaway sequence
+        that takes nothing from the budget and never shows in the stats."""
+        self._spare[seq_id] = [self.spare_block]
+        try:
+            yield
+        finally:
+            del self._spare[seq_id]
 
     def free_blocks(self) -> int:
         """Blocks not held by any sequence."""
@@ -106,7 +120,7 @@ class KVPool:
     def slots(self, seq_id: int, start: int, n: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """Block indices and in-block offsets [n] of positions [start, start + n)."""
         pos = torch.arange(start, start + n)
-        table = torch.tensor(self._tables[seq_id], dtype=torch.long)
+        table = torch.tensor(self.table(seq_id), dtype=torch.long)
         return table[pos // self.block_tokens].to(device), (pos % self.block_tokens).to(device)
 
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

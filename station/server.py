@@ -169,14 +169,12 @@ class StationServicer(station_pb2_grpc.StationServicer):
 
     def probe(self, hang_s: float) -> bool:
         """Run the station's probe row under the station lock: False when the lock stays held for `hang_s`
-        (a forward that does not end) or the forward path fails; a full KV counts as working."""
+        (a forward that does not end) or the forward path fails."""
         if not self._lock.acquire(timeout=hang_s):
             return False
         try:
             self.station.probe()
             return True
-        except KVBudgetError:
-            return True  # full, not broken: the step answered with its clean refusal
         except Exception:  # noqa: BLE001 - any failure of the forward path means unhealthy
             log.exception("health probe: the forward path failed")
             return False

@@ -250,18 +250,14 @@ class Station:
 
     def probe(self) -> None:
         """Run one throwaway row through every layer (the health check's proof that the forward path works),
-        leaving no KV and no counters behind; raises KVBudgetError when not even one block is free."""
+        on the KV pool's spare block: it takes nothing from the budget and leaves no KV and no counters."""
         on_compute_thread(self._probe)
 
     def _probe(self) -> None:
         x = (torch.zeros(1, dtype=torch.long) if self.is_first
              else torch.zeros(1, self.config.hidden_size, dtype=self.dtype)).to(self.device)  # [1] or [1, d]
-        self.kv.reserve({PROBE_SEQ_ID: 1})
-        try:
-            with torch.inference_mode():
-                self._compute((WaveEntry(PROBE_SEQ_ID, 0, 1),), x, want_logits=False)
-        finally:
-            self.kv.release(PROBE_SEQ_ID)
+        with self.kv.spare(PROBE_SEQ_ID), torch.inference_mode():
+            self._compute((WaveEntry(PROBE_SEQ_ID, 0, 1),), x, want_logits=False)
 
     def release(self, seq_ids: list[int] | tuple[int, ...]) -> int:
         """Free the KV of these sequences; returns how many were resident."""

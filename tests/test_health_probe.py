@@ -84,3 +84,19 @@ def test_probe_config_is_validated():
         ProbeConfig(hang_s=0)
     with pytest.raises(ValueError, match="period_s"):
         ProbeConfig(period_s="often")
+
+
+def test_probe_runs_on_a_full_kv_and_takes_nothing_from_it(tiny_llama):
+    station = Station(tiny_llama, StationSpec(layers=(0, 6), kv_bytes=2 * 2**20))
+    blocks = station.kv.num_blocks
+    per_seq = 32  # blocks of one 512-token sequence
+    seqs = [(i, min(per_seq, blocks - i * per_seq)) for i in range(-(-blocks // per_seq))]  # every block
+    for seq_id, n in seqs:
+        prompt = [(7 * i + seq_id) % 400 + 3 for i in range(n * station.kv.block_tokens)]
+        station.forward((WaveEntry(seq_id, 0, len(prompt)),), token_ids=torch.tensor(prompt))
+    assert station.kv.free_blocks() == 0
+    before = station.stats()
+    station.probe()
+    assert station.stats() == before
+    station.release([seq_id for seq_id, _ in seqs])
+    assert station.stats().kv.sequences == 0 and station.kv.free_blocks() == blocks
