@@ -116,18 +116,31 @@ def test_mesh_up_serves_and_scales_mid_stream(tmp_path, env, tiny_llama):
     assert proc.returncode == 0, out[-2000:]
 
 
-def test_sigterm_drains_then_stops_every_station(tmp_path, env, tiny_llama):
-    """SIGTERM: new requests get 503 while an admitted one runs to its end; then every actor stops."""
+def _mesh_up(tmp_path, env, model_dir, extra_yaml: str) -> tuple[subprocess.Popen, str]:
+    """`mesh up` on a one-model YAML (plus `extra_yaml`) in a subprocess, once healthy: (process, API URL)."""
     port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cfg = tmp_path / "one.yaml"
-    cfg.write_text(f"model: {{path: {tiny_llama}}}\napi: {{host: 127.0.0.1, port: {port}}}\n"
-                   "cluster: {shutdown_timeout_s: 120}\n")
+    cfg = tmp_path / "up.yaml"
+    cfg.write_text(f"model: {{path: {model_dir}}}\napi: {{host: 127.0.0.1, port: {port}}}\n" + extra_yaml)
     proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", str(cfg)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url)
-        station_pids = [s["pid"] for s in json.loads(_mesh("status", "--url", url, "--json", env=env).stdout)["stations"]]
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url
+
+
+def _station_pids(url: str, env) -> list[int]:
+    return [s["pid"] for s in json.loads(_mesh("status", "--url", url, "--json", env=env).stdout)["stations"]]
+
+
+def test_sigterm_drains_then_stops_every_station(tmp_path, env, tiny_llama):
+    """SIGTERM: new requests get 503 while an admitted one runs to its end; then every actor stops."""
+    proc, url = _mesh_up(tmp_path, env, tiny_llama, "cluster: {shutdown_timeout_s: 120}\n")
+    try:
+        station_pids = _station_pids(url, env)
         long = {}
         worker = threading.Thread(target=lambda: long.update(_post(url + "/v1/completions", {
             "prompt": [1, 5, 9], "max_tokens": 900, "ignore_eos": True, "temperature": 0})))
@@ -152,16 +165,9 @@ def test_sigterm_drains_then_stops_every_station(tmp_path, env, tiny_llama):
 
 def test_sigkill_of_the_orchestrator_leaves_no_station_running(tmp_path, env, tiny_llama):
     """`mesh up` killed outright (no drain, no cleanup code runs): its station actors die with it."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cfg = tmp_path / "two.yaml"
-    cfg.write_text(f"model: {{path: {tiny_llama}}}\napi: {{host: 127.0.0.1, port: {port}}}\n"
-                   "stations: {count: 2}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", str(cfg)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, url = _mesh_up(tmp_path, env, tiny_llama, "stations: {count: 2}\n")
     try:
-        _wait_healthy(url)
-        station_pids = [s["pid"] for s in json.loads(_mesh("status", "--url", url, "--json", env=env).stdout)["stations"]]
+        station_pids = _station_pids(url, env)
         assert len(station_pids) == 2 and all(station_pids)
         proc.kill()
         proc.wait(timeout=30)
