@@ -26,3 +26,14 @@ def test_bench_mesh_quick_runs(tiny_llama):
     two = figures["detail"]["2"]["4"]
     assert two["waves"] > 0 and two["wire_bytes_per_wave"] > 0 and len(two["station_compute_ms_per_wave"]) == 2
     assert figures["targets"]["grpc1_vs_inproc"]["got"] > 0 and figures["targets"]["pipe2_vs_grpc1"]["got"] > 0
+
+
+def test_pipeline_ceiling_runs(tiny_llama):
+    """`bench/pipeline_ceiling.py` on the tiny checkpoint ends with a JSON line of positive figures."""
+    script = SCRIPT.parent / "pipeline_ceiling.py"
+    proc = subprocess.run([sys.executable, str(script), "--model", str(tiny_llama), "--rows", "4", "--steps", "2"],
+                          check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["whole_ms"] > 0 and len(figures["halves_ms"]) == 2 and figures["ceiling"] > 0
+    assert all(v > 0 for v in figures["linear_us"].values())
