@@ -18,6 +18,8 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
+from mesh.allocator import keep_large_blocks
+
 _T = TypeVar("_T")
 
 
@@ -25,6 +27,7 @@ class ComputeThread:
     """A daemon thread that runs submitted calls one at a time, in order."""
 
     def __init__(self, name: str = "torch-compute") -> None:
+        keep_large_blocks()  # a step's large temporaries reuse freed memory instead of faulting in new pages
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
