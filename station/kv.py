@@ -1,6 +1,6 @@
 """Per-sequence key/value storage for a station's layers, in fixed-size blocks under a byte budget.
 
-Layout: one pool per K and V, [layers, KVH, blocks, block_tokens, D]. A sequence
+Layout: one pool per K and V, [layers, blocks, KVH, block_tokens, D]. A sequence
 owns a block table (a list of block indices); position p lives in block
 table[p // block_tokens] at offset p % block_tokens. Paged blocks make the
 budget exact (a sequence of t tokens holds ceil(t / block_tokens) blocks, the
@@ -55,7 +55,7 @@ class KVPool:
         if self.num_blocks < 1:
             raise KVBudgetError(f"kv_bytes {spec.kv_bytes} is below one block ({self.block_bytes} bytes)")
         self.spare_block = self.num_blocks  # one block past the budget, lent by `spare` (never in the stats)
-        shape = (self.layers, cfg.num_key_value_heads, self.num_blocks + 1, block_tokens, cfg.head_dim)
+        shape = (self.layers, self.num_blocks + 1, cfg.num_key_value_heads, block_tokens, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
         self.v = torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low indices first
@@ -125,19 +125,16 @@ class KVPool:
 
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store rows k/v [n, KVH, D] of local `layer` at (blocks, offsets) [n]."""
-        self.k[layer][:, blocks, offsets] = k.transpose(0, 1)  # [KVH, n, D]
-        self.v[layer][:, blocks, offsets] = v.transpose(0, 1)
+        self.k[layer][blocks, :, offsets] = k  # [n, KVH, D]
+        self.v[layer][blocks, :, offsets] = v
 
     def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of sequences by padded block tables [B, nb] -> each [B, KVH, nb * block_tokens, D]."""
+        """K, V of sequences by padded block tables [B, nb] -> each [B, nb, KVH, block_tokens, D] (one
+        contiguous copy of whole blocks)."""
         b, nb = tables.shape
-        flat = tables.reshape(-1)
-        k = self.k[layer].index_select(1, flat)  # [KVH, B*nb, blk, D]
-        v = self.v[layer].index_select(1, flat)
-        kvh, _, blk, d = k.shape
-        k = k.view(kvh, b, nb * blk, d).transpose(0, 1)  # [B, KVH, S, D]
-        v = v.view(kvh, b, nb * blk, d).transpose(0, 1)
-        return k, v
+        k = self.k[layer].index_select(0, tables.reshape(-1))  # [B*nb, KVH, blk, D]
+        v = self.v[layer].index_select(0, tables.reshape(-1))
+        return k.view(b, nb, *k.shape[1:]), v.view(b, nb, *v.shape[1:])
 
     def stats(self) -> KVStats:
         """Bytes and blocks in use."""

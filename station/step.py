@@ -102,17 +102,20 @@ class WaveAttention:
         self.kv.write(local, self.blocks, self.offsets, k, v)
         out = torch.empty_like(q)  # [T, H, D]
         for rows, tables, hidden in self.decode_groups:
-            keys, values = (t.contiguous() for t in self.kv.gather(local, tables))  # [B, KVH, S, D]: strides
-            b, kvh, _, d = keys.shape  # independent of B, so matmul takes the same path at every B
-            qd = q.index_select(0, rows).view(b, kvh, -1, d)  # [B, KVH, G, D]: query heads grouped by KV head
-            scores = torch.matmul(qd, keys.transpose(-1, -2)) * d**-0.5  # [B, KVH, G, S]
+            keys, values = self.kv.gather(local, tables)  # [B, nb, KVH, blk, D] each
+            b, nb, kvh, blk, d = keys.shape  # the matmuls' shapes depend on nb, never on B
+            qd = q.index_select(0, rows).view(b, 1, kvh, -1, d)  # [B, 1, KVH, G, D]: query heads by KV head
+            scores = torch.matmul(qd, keys.transpose(-1, -2))  # [B, nb, KVH, G, blk]
+            scores = scores.permute(0, 2, 3, 1, 4).reshape(b, kvh, -1, nb * blk) * d**-0.5  # [B, KVH, G, S]
             probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)  # [B, KVH, G, S]
-            out.index_copy_(0, rows, torch.matmul(probs, values).view(b, -1, d))  # [B, H, D]
+            probs = probs.view(b, kvh, -1, nb, blk).permute(0, 3, 1, 2, 4)  # [B, nb, KVH, G, blk]
+            out.index_copy_(0, rows, torch.matmul(probs, values).sum(1).view(b, -1, d))  # [B, H, D]
         for rows, table, mask in self.chunks:
-            keys, values = self.kv.gather(local, table[None])  # [1, KVH, S', D]
+            keys, values = (t[0].transpose(0, 1).flatten(1, 2) for t in self.kv.gather(local, table[None]))  # [KVH, S', D]
             s = mask.shape[1]
             qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            oc = F.scaled_dot_product_attention(qc, keys[:, :, :s], values[:, :, :s], attn_mask=mask, enable_gqa=True)
+            oc = F.scaled_dot_product_attention(qc, keys[None, :, :s], values[None, :, :s], attn_mask=mask,
+                                                enable_gqa=True)
             out[rows] = oc[0].transpose(0, 1)  # [n, H, D]
         return out
 
