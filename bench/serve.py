@@ -31,7 +31,7 @@ import torch
 
 from mesh.cli import resolve_model
 from mesh.compute import on_compute_thread
-from mesh.hostinfo import describe_machine
+from mesh.hostinfo import bandwidth_gb_s, describe_machine
 from mesh.config import DTYPE_BYTES, ModelConfig, SchedulerConfig, StationSpec
 from mesh.params import SamplingParams
 from orchestrator.engine import Engine
@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         on_compute_thread(torch.set_num_threads, args.threads)
     mach = describe_machine()
+    bandwidth = [on_compute_thread(bandwidth_gb_s)]  # K=1 is memory-bound: its speed moves with this
     model_dir = resolve_model(args.model, "bench")
     cfg = ModelConfig.from_dir(model_dir)
     tok = None
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{hf['generated_tokens']} generated for {hf['tokens']} useful); ours/HF {mixed_ratio:.2f}x; "
               f"greedy outputs identical for {match:.0%} of requests")
     c16 = ratios.get("16") if base_k == 1 else None
+    bandwidth.append(on_compute_thread(bandwidth_gb_s))
     met16 = None if c16 is None else c16 >= TARGET_CONCURRENCY_16
     met_mixed = None if mixed_ratio is None else mixed_ratio >= TARGET_MIXED
     print(f"target K=16 >= {TARGET_CONCURRENCY_16:.0f}x K=1: {'-' if c16 is None else f'{c16:.2f}x'} "
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
           f"target mixed >= {TARGET_MIXED:.0f}x HF: {'-' if mixed_ratio is None else f'{mixed_ratio:.2f}x'} "
           f"({'not measured' if met_mixed is None else 'met' if met_mixed else 'NOT met'})")
     print(f"machine: {mach['cpu']}, {mach['cores']} cores, torch {mach['torch']} with {mach['torch_threads']} "
-          f"threads, load {mach['loadavg_1m']}")
+          f"threads, load {mach['loadavg_1m']}; memory {bandwidth[0]:.0f} GB/s at start, {bandwidth[1]:.0f} at end")
     if args.plot:
         plot(args.plot, args.concurrency, conc, model_dir.name)
         print(f"plot: {args.plot}")
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_len": args.prompt_len, "output_len": args.output_len, "repeats": args.repeats,
         "max_wave_tokens": args.max_wave_tokens, "mixed_requests": len(mixed), "mixed_scale": args.mixed_scale,
         "mixed_max_seqs": args.mixed_max_seqs, "hf_batch": args.hf_batch, "kv_bytes": kv_bytes,
-        "detokenize": tok is not None, "dtype": args.dtype, "model": str(model_dir), "machine": mach,
+        "detokenize": tok is not None, "dtype": args.dtype, "model": str(model_dir), "machine": {**mach, "bandwidth_gb_s": bandwidth},
     }
     print(json.dumps(figures))
     return 0

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from mesh.cli import resolve_model  # noqa: E402
 from mesh.compute import on_compute_thread  # noqa: E402
-from mesh.hostinfo import describe_machine  # noqa: E402
+from mesh.hostinfo import bandwidth_gb_s, describe_machine  # noqa: E402
 from mesh.config import DTYPE_BYTES, ModelConfig, StationSpec  # noqa: E402
 from mesh.params import SamplingParams  # noqa: E402
 from mesh.wave import WaveEntry  # noqa: E402
@@ -157,20 +157,6 @@ def bench_decode(station: Station, hf_model, args: argparse.Namespace) -> dict[s
         "hf_tok_s": hf_rate(med, 0), "hf_tok_s_best": hf_rate(best, 0), "hf_tok_s_cpu": hf_rate(med, 1),
         "b1_tokens_match_hf": tokens[("ours", 1)] == tokens[("hf", 1)] if 1 in hf_batches else None,
     }
-
-
-def bandwidth_gb_s(device: str, mib: int = 256, repeats: int = 7) -> float:
-    """Memory bandwidth in GB/s: median time of dst.copy_(src) on a `mib` MiB float32 tensor (read + write)."""
-    src = torch.rand(mib * 2**20 // 4, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / statistics.median(times[1:]) / 1e9
 
 
 def _ratio(fig: dict, kind: str, k: str) -> float | None:

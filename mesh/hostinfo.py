@@ -1,8 +1,10 @@
-"""What machine a benchmark ran on: CPU model, cores, torch threads and version, load, GPU."""
+"""What machine a benchmark ran on: CPU model, cores, torch threads and version, load, GPU, memory bandwidth."""
 from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -22,3 +24,22 @@ def describe_machine() -> dict[str, object]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def bandwidth_gb_s(device: str = "cpu", mib: int = 256, repeats: int = 7) -> float:
+    """Memory bandwidth in GB/s: median time of dst.copy_(src) on a `mib` MiB float32 tensor (read + write).
+
+    A memory-bound step (one request decoding) moves with it: on the 2-core CI machines it was seen
+    anywhere from 44 to 78 GB/s, so benchmarks print it beside their ratios."""
+    src = torch.rand(mib * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / statistics.median(times[1:]) / 1e9
