@@ -59,10 +59,11 @@ class WaveAttention:
     Every row's attention is computed the same way whatever else is in the wave, so its
     bits never depend on its company: a prompt chunk attends alone over exactly its
     sequence's keys; decode rows are batched only with rows whose sequences span the
-    same number of KV blocks (the same padded key length), through two batched matmuls
-    and a softmax, whose per-row results do not change with the batch or the thread
-    count (torch's fused CPU kernel for a single query row changes both, and is slower
-    here).
+    same number of KV blocks (the same padded key length), through batched matmuls
+    against each gathered block (never copied into one contiguous run of keys), one
+    softmax over all the keys and a sum over blocks, whose per-row results do not change
+    with the batch or the thread count (torch's fused CPU kernel for a single query row
+    changes both, and is slower here).
     """
 
     def __init__(self, kv: KVPool, first_layer: int, entries: tuple[WaveEntry, ...], device: torch.device,
