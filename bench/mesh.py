@@ -37,7 +37,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import torch
 
 from mesh.cli import resolve_model
-from mesh.hostinfo import describe_machine
+from mesh.hostinfo import cpu_seconds_by_role, describe_machine
 from mesh.cluster import MeshConfig, ModelSource
 from mesh.layer_plan import plan_layers, split_weights
 from mesh.config import ModelConfig, SchedulerConfig, StationSpec
@@ -163,10 +163,10 @@ def run_point(engine: Engine, links: list[MeteredLink], prompts: list[list[int]]
     for link in links:
         link.reset()
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
+    cpu0, t0 = cpu_seconds_by_role(), time.perf_counter()
     streams = [engine.submit(ids, params) for ids in prompts]
     outs = [s.result(timeout=600)[0] for s in streams]
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_seconds_by_role()
     if not engine.quiesce():
         raise RuntimeError("the engine did not go idle after the run")
     waves = engine.stats().waves - waves0
@@ -191,6 +191,7 @@ def run_point(engine: Engine, links: list[MeteredLink], prompts: list[list[int]]
         "rpc_ms_per_call": ([1e3 * (link.call_s - link.compute_s) / max(link.calls, 1) for link in links]
                             if remote else None),
         "station_busy_fraction": [c / wall for c in compute],
+        "cpu_ms_per_wave": {role: ms(cpu[role] - cpu0[role]) for role in cpu},  # where the cores went
         "wire_bytes_per_wave": (total["request"] + total["reply"] + total["release"]) / max(waves, 1) if remote else 0,
         "wire_bytes_per_wave_split": {k: v / max(waves, 1) for k, v in total.items()} if remote else None,
         "outputs": [o.token_ids for o in outs],
@@ -281,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     targets = {"grpc1_vs_inproc": target("1", "inproc"), "pipe2_vs_grpc1": target("2", "1")}
 
     print(f"\n{'config':>6} {'stations (layers x threads)':<30} {'K':>3} {'tok/s':>8} {'vs inproc':>9} {'waves':>5} "
-          f"{'ms/wave':>8} {'max comp':>8} {'sum comp':>8} {'overhead':>8} {'rpc/call':>8} {'wire KiB/w':>10}")
+          f"{'ms/wave':>8} {'max comp':>8} {'sum comp':>8} {'overhead':>8} {'rpc/call':>8} {'wire KiB/w':>10} "
+          f"{'cpu ms/wave d/w/o':>18}")
     for c in args.configs:
         st = " ".join(f"{d['layers'][0]}-{d['layers'][1]}x{d['torch_threads']}" for d in up[c][2])
         for k in args.concurrency:
@@ -291,10 +293,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{c:>6} {st:<30} {k:>3} {tok_s[c][key]:>8.1f} {rel:>9} {d['waves']:>5} "
                   f"{d['wall_ms_per_wave']:>8.2f} {d['max_compute_ms_per_wave']:>8.2f} "
                   f"{d['sum_compute_ms_per_wave']:>8.2f} {d['overhead_ms_per_wave']:>8.2f} {rpc:>8} "
-                  f"{d['wire_bytes_per_wave'] / 1024:>10.1f}")
+                  f"{d['wire_bytes_per_wave'] / 1024:>10.1f} "
+                  f"{'/'.join(f'{v:.1f}' for v in d['cpu_ms_per_wave'].values()):>18}")
     print("(ms per wave; max comp = the slowest station's own compute, sum comp = all stations' (the floor when "
           "waves cannot overlap, as at K=1); overhead = wall/wave - max comp; rpc/call = link call - station "
-          "compute, worst station; wire = protobuf bytes of requests, replies and releases per wave)")
+          "compute, worst station; wire = protobuf bytes of requests, replies and releases per wave; cpu = CPU ms per "
+          "wave of this driver / Ray worker processes (the stations) / every other process, against cores x "
+          "ms/wave available)")
     for name, t in targets.items():
         got = "not measured" if t["got"] is None else f"{t['got']:.2f}x ({'met' if t['met'] else 'NOT met'})"
         print(f"target {name} >= {TARGET}x at K={top}: {got}")

@@ -43,3 +43,26 @@ def bandwidth_gb_s(device: str = "cpu", mib: int = 256, repeats: int = 7) -> flo
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return 2 * src.numel() * 4 / statistics.median(times[1:]) / 1e9
+
+
+def cpu_seconds_by_role() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by this process ("driver"), by Ray worker processes ("ray
+    workers": their command line starts with `ray::`, station actors among them), and by every other
+    process on the machine ("other": Ray's daemons and the rest). Linux /proc; zeros elsewhere."""
+    seconds = {"driver": 0.0, "ray workers": 0.0, "other": 0.0}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return seconds
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:  # the process ended meanwhile
+            continue
+        role = ("driver" if int(entry.name) == os.getpid() else
+                "ray workers" if command.startswith(b"ray::") else "other")
+        seconds[role] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return seconds
