@@ -112,7 +112,8 @@ class WaveAttention:
             probs = probs.view(b, kvh, -1, nb, blk).permute(0, 3, 1, 2, 4)  # [B, nb, KVH, G, blk]
             out.index_copy_(0, rows, torch.matmul(probs, values).sum(1).view(b, -1, d))  # [B, H, D]
         for rows, table, mask in self.chunks:
-            keys, values = (t[0].transpose(0, 1).flatten(1, 2) for t in self.kv.gather(local, table[None]))  # [KVH, S', D]
+            blocks = self.kv.gather(local, table[None])  # [1, nb, KVH, blk, D] each
+            keys, values = (t[0].transpose(0, 1).flatten(1, 2) for t in blocks)  # [KVH, S', D]
             s = mask.shape[1]
             qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             oc = F.scaled_dot_product_attention(qc, keys[None, :, :s], values[None, :, :s], attn_mask=mask,
