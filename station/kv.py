@@ -117,12 +117,6 @@ class KVPool:
         del table[keep:]
         self._lengths[seq_id] = length
 
-    def slots(self, seq_id: int, start: int, n: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block indices and in-block offsets [n] of positions [start, start + n)."""
-        pos = torch.arange(start, start + n)
-        table = torch.tensor(self.table(seq_id), dtype=torch.long)
-        return table[pos // self.block_tokens].to(device), (pos % self.block_tokens).to(device)
-
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store rows k/v [n, KVH, D] of local `layer` at (blocks, offsets) [n]."""
         self.k[layer][blocks, :, offsets] = k  # [n, KVH, D]

@@ -69,32 +69,34 @@ class WaveAttention:
     def __init__(self, kv: KVPool, first_layer: int, entries: tuple[WaveEntry, ...], device: torch.device,
                  window: int | None) -> None:
         self.kv, self.first_layer = kv, first_layer
-        blocks, offsets, row = [], [], 0
-        by_blocks: dict[int, list[tuple[int, torch.Tensor, int]]] = {}  # block count -> (row, table, length)
+        bt, row = kv.block_tokens, 0
+        blocks, offsets = [], []  # KV slot of every row: block index, offset in the block
+        by_blocks: dict[int, list[tuple[int, list[int], int]]] = {}  # block count -> (row, table, length)
         self.chunks = []  # (rows slice, block table [nb], mask [n, S]) for n > 1
-        for e in entries:
-            b, o = kv.slots(e.seq_id, e.start_pos, e.n_tokens, "cpu")
-            blocks.append(b)
-            offsets.append(o)
-            nb = -(-e.end_pos // kv.block_tokens)
-            table = torch.tensor(kv.table(e.seq_id)[:nb], dtype=torch.long)
+        for e in entries:  # plain ints here, one tensor per field below: a wave's set-up stays cheap at any K
+            table = kv.table(e.seq_id)
+            positions = range(e.start_pos, e.end_pos)
+            blocks.extend(table[p // bt] for p in positions)
+            offsets.extend(p % bt for p in positions)
+            nb = -(-e.end_pos // bt)
             if e.n_tokens == 1:
-                by_blocks.setdefault(nb, []).append((row, table, e.end_pos))
+                by_blocks.setdefault(nb, []).append((row, table[:nb], e.end_pos))
             else:
                 q_pos = torch.arange(e.start_pos, e.end_pos)[:, None]  # [n, 1]
                 k_pos = torch.arange(e.end_pos)[None, :]  # [1, S]
                 mask = _visible(k_pos, q_pos, window)  # [n, S]
-                self.chunks.append((slice(row, row + e.n_tokens), table.to(device), mask.to(device)))
+                self.chunks.append((slice(row, row + e.n_tokens), torch.tensor(table[:nb], device=device),
+                                    mask.to(device)))
             row += e.n_tokens
-        self.blocks = torch.cat(blocks).to(device)  # [T]
-        self.offsets = torch.cat(offsets).to(device)  # [T]
+        self.blocks = torch.tensor(blocks, device=device)  # [T]
+        self.offsets = torch.tensor(offsets, device=device)  # [T]
         self.decode_groups = []  # (rows [B], block tables [B, nb], hidden key positions [B, 1, 1, S])
         for nb, group in by_blocks.items():
             lens = torch.tensor([length for _, _, length in group])[:, None]  # [B, 1]
-            k_pos = torch.arange(nb * kv.block_tokens)[None, :]  # [1, S]
+            k_pos = torch.arange(nb * bt)[None, :]  # [1, S]
             mask = (k_pos < lens) & _visible(k_pos, lens - 1, window)  # [B, S]
             self.decode_groups.append((torch.tensor([r for r, _, _ in group], device=device),
-                                       torch.stack([t for _, t, _ in group]).to(device),
+                                       torch.tensor([t for _, t, _ in group], device=device),
                                        ~mask[:, None, None, :].to(device)))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
