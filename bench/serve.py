@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--max-wave-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0, help="the sweep's sampling (0: greedy; the mix stays greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="the sweep's top-p, with --temperature")
     p.add_argument("--repeats", type=int, default=3, help="repeats of each concurrency point (median)")
     p.add_argument("--kv-mib", type=int, default=512, help="KV budget floor (raised to fit the mixed workload)")
     p.add_argument("--mixed-requests", type=int, default=64)
@@ -93,16 +95,18 @@ def equal_jobs(k: int, prompt_len: int, output_len: int, vocab: int) -> list[Job
 
 
 def run_engine(station: Station, cfg: ModelConfig, tok, jobs: list[Job], max_seqs: int,
-               max_wave_tokens: int) -> dict:
-    """Submit every job at once to a fresh Engine; wall time first submit -> last result, and where it went."""
+               max_wave_tokens: int, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+    """Submit every job at once to a fresh Engine (greedy, or sampled with seed = job index); wall time
+    first submit -> last result, and where it went."""
     sched = SchedulerConfig(max_seqs=max_seqs, max_wave_tokens=max(max_wave_tokens, max_seqs),
                             max_queue=max(256, len(jobs)))
     engine = Engine([LocalLink(station)], cfg, sched, tok)
     before = station.stats()
     try:
         t0 = time.perf_counter()
-        streams = [engine.submit(ids, SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True))
-                   for ids, o in jobs]
+        streams = [engine.submit(ids, SamplingParams(max_tokens=o, temperature=temperature, top_p=top_p, seed=i,
+                                                     ignore_eos=True))
+                   for i, (ids, o) in enumerate(jobs)]
         outs = [s.result()[0] for s in streams]
         wall = time.perf_counter() - t0
         busy, stats = engine.pipeline.busy_seconds[0], engine.stats()
@@ -214,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.repeats):  # repeats outside, so load drift on a shared machine hits every K alike
         for k in args.concurrency:
             jobs = equal_jobs(k, args.prompt_len, args.output_len, cfg.vocab_size)
-            all_runs[k].append(run_engine(station, cfg, tok, jobs, k, args.max_wave_tokens))
+            all_runs[k].append(run_engine(station, cfg, tok, jobs, k, args.max_wave_tokens, args.temperature,
+                                          args.top_p))
             log(f"repeat {rep + 1}/{args.repeats} K={k}: {all_runs[k][-1]['tok_s']:.1f} tok/s")
     for k, runs in all_runs.items():
         med = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
@@ -270,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "mixed_ratio": mixed_ratio, "mixed_ours": _strip(ours), "mixed_hf": _strip(hf), "mixed_outputs_match_hf": match,
         "targets": {"concurrency16_ratio": {"want": TARGET_CONCURRENCY_16, "got": c16, "met": met16},
                     "mixed_ratio": {"want": TARGET_MIXED, "got": mixed_ratio, "met": met_mixed}},
-        "prompt_len": args.prompt_len, "output_len": args.output_len, "repeats": args.repeats,
+        "prompt_len": args.prompt_len, "temperature": args.temperature, "top_p": args.top_p, "output_len": args.output_len, "repeats": args.repeats,
         "max_wave_tokens": args.max_wave_tokens, "mixed_requests": len(mixed), "mixed_scale": args.mixed_scale,
         "mixed_max_seqs": args.mixed_max_seqs, "hf_batch": args.hf_batch, "kv_bytes": kv_bytes,
         "detokenize": tok is not None, "dtype": args.dtype, "model": str(model_dir), "machine": {**mach, "bandwidth_gb_s": bandwidth},
