@@ -46,27 +46,67 @@ class CompletionOutput:
 
 
 class TextTracker:
-    """Incremental detokenization of one choice, with stop-string matching."""
+    """Incremental detokenization of one choice, with stop-string matching.
+
+    The stream is what decoding the whole output after every token would hand out (trailing
+    incomplete characters held back), but a token decodes only a short window: the tokens since the
+    text last grew, after the ones before them for context (a decoder may drop a leading space at a
+    window's start, alike with and without the new tokens). Where a window cannot be trusted (invalid
+    bytes, whose U+FFFD can reach back over earlier ones; a context that decodes to nothing, or not
+    as the text ends) it decodes the whole output, as every token once did: 0.45 ms a token at 4,000
+    tokens, against ~2 us a window (tests/test_text_tracker.py holds the two to the same stream).
+    Stop strings are searched only where a new match can be.
+    """
+
+    CONTEXT = 4  # tokens of context after a whole decode
 
     def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
         self.tokenizer, self.stop = tokenizer, stop
         self.ids: list[int] = []
+        self.text = ""  # the text of ids[:read], up to its last whole character
+        self.tail = ""  # U+FFFD held back after a whole decode (incomplete bytes at the end)
+        self.clean = True  # no U+FFFD in text: a window decodes as the whole would (else: decode the whole)
+        self.prefix = self.read = 0  # ids[prefix:read]: the context decoded before the newer tokens
+        self.seen = 0  # length of the text stop strings were searched in last time
         self.sent = 0  # characters of text already handed out
         self.hold = max((len(s) for s in stop), default=1) - 1
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True) if self.tokenizer else ""
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _view(self, final: bool = False) -> str:
+        """The text of every token so far, up to its last whole character (all of it when final)."""
+        if self.tokenizer is None or (self.read == len(self.ids) and not self.tail):
+            return self.text
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        whole = after.rstrip("\ufffd")
+        if (not self.clean or self.tail or "\ufffd" in whole or not self.text.endswith(before)
+                or not after.startswith(before) or (self.text and not before)):
+            full = self._decode(self.ids)
+            self.text = full.rstrip("\ufffd")
+            self.tail = full[len(self.text):]
+            self.clean = "\ufffd" not in self.text
+            self.prefix, self.read = max(0, len(self.ids) - self.CONTEXT), len(self.ids)
+            return self.text + self.tail if final else self.text
+        if final or whole == after:  # the window ends on a whole character: take it in
+            self.text += after[len(before):]
+            self.clean = whole == after
+            self.prefix, self.read = self.read, len(self.ids)
+            return self.text
+        return self.text + whole[len(before):]  # whole characters of a window still waiting for bytes
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Take one token; returns (text safe to send now, whether a stop string matched)."""
         self.ids.append(token_id)
-        text = self._text()
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        text = self._view()
+        hits = [i for i in (text.find(s, max(0, self.seen - len(s) + 1)) for s in self.stop) if i >= 0]
+        self.seen = len(text)
         if hits:
             end = min(hits)
             delta, self.sent = text[self.sent:end], max(self.sent, end)
             return delta, True
-        safe = len(text.rstrip("\ufffd")) - self.hold
+        safe = len(text) - self.hold
         if safe <= self.sent:
             return "", False
         delta, self.sent = text[self.sent:safe], safe
@@ -74,7 +114,7 @@ class TextTracker:
 
     def flush(self) -> str:
         """The text held back, at the end of a choice that did not stop on a string."""
-        text = self._text()
+        text = self._view(final=True)
         delta, self.sent = text[self.sent:], len(text)
         return delta
 
