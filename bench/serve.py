@@ -3,9 +3,11 @@
     python bench/serve.py [--model DIR] [--concurrency 1,2,4,8,16,32] [--prompt-len 32] [--output-len 32]
                           [--repeats 3] [--mixed-requests 64] [--mixed-max-seqs 32] [--mixed-scale 1.0]
                           [--hf-batch 16] [--threads N] [--no-hf] [--no-detok] [--plot PATH] [--quick]
+                          [--temperature T [--top-p P]]
     mesh bench serve ...  (same arguments)
 
-(a) Concurrency sweep: K equal requests (prompt P, P output tokens, greedy, ignore_eos) submitted at once to an
+(a) Concurrency sweep: K equal requests (prompt P, P output tokens, greedy unless --temperature (seed = the
+request's index), ignore_eos) submitted at once to an
 Engine with max_seqs = K over one in-process full-model Station; time from the first submit to the last result;
 aggregate tok/s = K * output / seconds (median over repeats), and its ratio to K = 1.
 (b) Mixed workload: N requests, prompts 16-512 and outputs 16-256 tokens (random.Random(0), times --mixed-scale),
