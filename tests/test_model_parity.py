@@ -52,7 +52,7 @@ def test_arch_features_are_exercised(model_dirs):
     assert llama["rope_scaling"]["rope_type"] == "llama3"
     assert qwen["tie_word_embeddings"] is True
     st = Station(model_dirs["qwen2"], StationSpec(layers=(0, 6)))
-    assert st.model.model.layers["0"].self_attn.qkv_proj.bias is not None
+    assert st.model.model.layers["0"].self_attn.q_proj.bias is not None
     assert st.model.lm_head.weight.data_ptr() == st.model.model.embed_tokens.weight.data_ptr()
 
 
@@ -62,7 +62,7 @@ def test_linear_backends_agree(tiny_llama, backend):
     from mesh.model.kernels import batch_invariant_linear, pick_linear
 
     st = Station(tiny_llama, StationSpec(layers=(0, 6), linear_backend=backend))
-    kernel = st.model.model.layers["0"].mlp.gate_up_proj.kernel
+    kernel = st.model.model.layers["0"].mlp.up_proj.kernel
     assert (kernel is None) if backend == "aten" else (kernel in (None, batch_invariant_linear))
     ref = Station(tiny_llama, StationSpec(layers=(0, 6), linear_backend="aten"))
     entry = (WaveEntry(0, 0, len(PROMPT), SamplingParams()),)

@@ -165,7 +165,7 @@ def test_bad_waves_are_refused_by_name(tiny_llama):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_station_runs(tiny_llama, dtype):
     st = Station(tiny_llama, StationSpec(layers=(0, L), dtype=dtype))
-    assert st.model.model.layers["0"].mlp.gate_up_proj.weight.dtype == getattr(torch, dtype)
+    assert st.model.model.layers["0"].mlp.up_proj.weight.dtype == getattr(torch, dtype)
     ids, reason = generate_one(st, PROMPT, SamplingParams(max_tokens=8))
     assert len(ids) == 8 and reason == "length"
     ref = generate_one(Station(tiny_llama, StationSpec(layers=(0, L))), PROMPT, SamplingParams(max_tokens=1))[0]

@@ -3,10 +3,7 @@
 Parameter names are the Hugging Face names with ABSOLUTE layer indices
 (`model.layers.17.self_attn.o_proj.weight`), so a range loads its own keys by
 name. The range holds `model.embed_tokens` when it starts at layer 0 and
-`model.norm` + `lm_head` when it ends at the last layer. Projections of one
-input run as one matmul (`qkv_proj`, `gate_up_proj`: a call and a pass over
-the input fewer per layer); `checkpoint_layout` names the HF tensors each is
-stacked from, so loading stays a name map.
+`model.norm` + `lm_head` when it ends at the last layer.
 
 The model knows nothing of stations, KV layout or the network: attention hands
 its q/k/v rows to an `AttentionContext`, which owns the cache and the ragged
@@ -81,18 +78,6 @@ class Linear(nn.Linear):
         return self.kernel(x, self.weight, self.bias)
 
 
-class PackedLinear(Linear):
-    """Several HF projections of one input as one matmul: their weights stacked by rows, in `parts` order."""
-
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(parts.values()), bias=bias)
-        self.parts = parts  # HF projection name (e.g. "q_proj") -> its output features
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [T, in] -> one [T, out_i] column view per part."""
-        return super().forward(x).split(tuple(self.parts.values()), dim=-1)
-
-
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 like the reference."""
 
@@ -116,18 +101,17 @@ class Attention(nn.Module):
         self.layer = layer
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         d = cfg.hidden_size
-        kv = self.kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(d, {"q_proj": self.heads * self.head_dim, "k_proj": kv, "v_proj": kv},
-                                     bias=cfg.qkv_bias)
+        self.q_proj = Linear(d, self.heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = Linear(d, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = Linear(d, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.heads * self.head_dim, d, bias=cfg.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """x [T, d] -> [T, d]."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x)  # [T, H*D], [T, KVH*D], [T, KVH*D]: column views of one matmul
-        q = q.view(t, self.heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.kv_heads, self.head_dim)  # [T, KVH, D]
-        v = v.view(t, self.kv_heads, self.head_dim)  # [T, KVH, D]
+        q = self.q_proj(x).view(t, self.heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)  # [T, KVH, D]
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)  # [T, KVH, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.attend(self.layer, q, k, v)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.heads * self.head_dim))
@@ -138,14 +122,13 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = PackedLinear(cfg.hidden_size, {"gate_proj": cfg.intermediate_size,
-                                                          "up_proj": cfg.intermediate_size}, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, d] -> [T, d]."""
-        gate, up = self.gate_up_proj(x)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -213,17 +196,3 @@ class LlamaRange(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head on selected rows: hidden [R, d] -> logits [R, V] in float32."""
         return self.lm_head(self.model.norm(hidden)).float()
-
-
-def checkpoint_layout(model: nn.Module) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
-    """Each parameter name of `model` -> the HF checkpoint tensors (name, shape) it is made of, in order:
-    itself for most, the stacked projections for a PackedLinear's weight and bias."""
-    layout = {name: [(name, tuple(p.shape))] for name, p in model.state_dict().items()}
-    for prefix, module in model.named_modules():
-        if isinstance(module, PackedLinear):
-            parent = prefix.rsplit(".", 1)[0]
-            for kind, p in (("weight", module.weight), ("bias", module.bias)):
-                if p is not None:
-                    layout[f"{prefix}.{kind}"] = [(f"{parent}.{part}.{kind}", (rows, *p.shape[1:]))
-                                                  for part, rows in module.parts.items()]
-    return layout

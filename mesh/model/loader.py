@@ -1,9 +1,8 @@
 """Load a layer range of a Hugging Face safetensors checkpoint, by name, and nothing more.
 
 The range is built on the meta device; each of its parameters is read from the
-memory-mapped checkpoint by its HF name (a stacked projection from the HF
-tensors it is made of, `checkpoint_layout`) and assigned in place, so a
-half-model station holds about half the weights. `lm_head.weight` falls back to the
+memory-mapped checkpoint by its HF name and assigned in place, so a half-model
+station holds about half the weights. `lm_head.weight` falls back to the
 embedding when the model ties them.
 """
 from __future__ import annotations
@@ -16,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from mesh.config import ModelConfig
-from mesh.model.llama import LlamaRange, checkpoint_layout
+from mesh.model.llama import LlamaRange
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TIED_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
@@ -64,37 +63,31 @@ def load_range(model_dir: str | Path, cfg: ModelConfig, start: int, end: int,
     with torch.device("meta"):
         model = LlamaRange(cfg, start, end)
     files = checkpoint_index(model_dir)
-    layout = checkpoint_layout(model)  # parameter -> the checkpoint tensors it is made of
-    shapes = {src: shape for parts in layout.values() for src, shape in parts}
-    sources = {src: _source_name(src, files, cfg) for src in shapes}  # a tied head reads the embedding
+    wanted = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    sources = {name: _source_name(name, files, cfg) for name in wanted}
     by_file: dict[Path, list[str]] = {}
-    for src, key in sources.items():
-        by_file.setdefault(files[key], []).append(src)
-    loaded: dict[str, torch.Tensor] = {}  # by checkpoint key
+    for name, src in sources.items():
+        by_file.setdefault(files[src], []).append(name)
+    state: dict[str, torch.Tensor] = {}
+    loaded: dict[str, torch.Tensor] = {}  # by source name: a tied head shares the embedding's storage
     for path, names in sorted(by_file.items()):
         with safe_open(path, framework="pt", device="cpu") as f:
-            for src in names:
-                key = sources[src]
-                if key in loaded:
+            for name in names:
+                if sources[name] in loaded:
+                    state[name] = loaded[sources[name]]
                     continue
-                t = f.get_tensor(key)
-                if tuple(t.shape) != shapes[src]:
-                    raise CheckpointError(f"{path.name}: tensor {key} has shape {list(t.shape)}, "
-                                          f"expected {list(shapes[src])}")
+                t = f.get_tensor(sources[name])
+                if tuple(t.shape) != wanted[name]:
+                    raise CheckpointError(f"{path.name}: tensor {sources[name]} has shape {list(t.shape)}, "
+                                          f"expected {list(wanted[name])}")
                 if not t.is_floating_point():
-                    raise CheckpointError(f"{path.name}: tensor {key} has non-float dtype {t.dtype}")
-                loaded[key] = t.to(device=device, dtype=torch_dtype)
-    weight_bytes = sum(t.numel() * t.element_size() for t in loaded.values())
-    state: dict[str, torch.Tensor] = {}
-    for name, parts in layout.items():
-        if len(parts) == 1:
-            state[name] = loaded[sources[parts[0][0]]]
-        else:  # stacked projections: one copy, then the parts go (peak: the model plus one stacked tensor)
-            state[name] = torch.cat([loaded.pop(sources[src]) for src, _ in parts])
+                    raise CheckpointError(f"{path.name}: tensor {sources[name]} has non-float dtype {t.dtype}")
+                state[name] = loaded[sources[name]] = t.to(device=device, dtype=torch_dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = model.inv_freq.to(device)
     model.eval().requires_grad_(False)
-    return model, LoadReport(tuple(sorted(set(sources.values()))), weight_bytes)
+    read = tuple(sorted(set(sources.values())))
+    return model, LoadReport(read, sum(t.numel() * t.element_size() for t in loaded.values()))
 
 
 def _source_name(name: str, files: dict[str, Path], cfg: ModelConfig) -> str:

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from mesh.config import ModelConfig, RopeScaling
-from mesh.model.llama import LlamaRange, checkpoint_layout
+from mesh.model.llama import LlamaRange
 
 PRESETS = {
     # name: (hidden, layers, heads, kv_heads, ffn, vocab, context)
@@ -49,8 +49,7 @@ def preset_config(preset: str, arch: str = "llama") -> ModelConfig:
 def random_state(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Deterministic float32 weights for every checkpoint key of `cfg`, by HF name."""
     with torch.device("meta"):
-        layout = checkpoint_layout(LlamaRange(cfg, 0, cfg.num_hidden_layers))
-    shapes = {src: shape for parts in layout.values() for src, shape in parts}
+        shapes = {n: tuple(p.shape) for n, p in LlamaRange(cfg, 0, cfg.num_hidden_layers).state_dict().items()}
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight")
     g = torch.Generator().manual_seed(seed)
