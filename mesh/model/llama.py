@@ -1,7 +1,7 @@
 """A contiguous layer range of a Llama-family decoder (Llama 2/3, Mistral, Qwen2).
 
 Parameter names are the Hugging Face names with ABSOLUTE layer indices
-(`model.layers.17.self_attn.o_proj.weight`), so a range loads its own keys by
+(`model.layers.17.self_attn.q_proj.weight`), so a range loads its own keys by
 name. The range holds `model.embed_tokens` when it starts at layer 0 and
 `model.norm` + `lm_head` when it ends at the last layer.
 
