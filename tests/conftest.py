@@ -1,6 +1,8 @@
 """Shared fixtures: synthetic checkpoints written once per test session (no network)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from mesh.model.synthetic import init_model
@@ -29,7 +31,15 @@ def sharded_llama(tmp_path_factory):
 def local_ray():
     """A local Ray for one test module (loopback, no dashboard), shut down after it."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=16, include_dashboard=False, namespace="wavemesh-test", logging_level="ERROR",
-             log_to_driver=False)
+    for attempt in (1, 2):  # Ray gives its raylet 30 s to come up; on a loaded 2-core box that once ran out
+        try:
+            ray.init(num_cpus=16, include_dashboard=False, namespace="wavemesh-test", logging_level="ERROR",
+                     log_to_driver=False)
+            break
+        except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for a node that timed out
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(err):
+                raise
+            time.sleep(5)
     yield ray
     ray.shutdown()
