@@ -1,15 +1,16 @@
-"""Keep large freed blocks in the process for reuse, so a step's temporaries never page-fault.
+"""Keep large freed blocks in the process for reuse, so a step's temporaries do not page-fault.
 
 glibc's malloc serves a block above its mmap threshold (128 KiB at start, raised
-as such blocks are freed) with a fresh mmap, and gives the top of a heap back to
-the kernel above its trim threshold. A step's large temporaries (a prefill wave's
-[T, intermediate] activations, a long decode's gathered keys) are then new pages
-every time: the first touch of each 4 KiB page is a page fault, and a 512-token
-prefill of the bench preset spent ~17% of its time in them (234 -> 195 ms with
-the thresholds raised; decode waves unchanged). Raising both thresholds keeps
-that memory in the heap, where the next wave's temporaries reuse it: the
-process holds on to its peak working set, as a serving engine that preallocates
-would. Linux with glibc only; elsewhere a no-op.
+as such blocks are freed, up to 32 MiB) with a fresh mmap, and gives the top of a
+heap back to the kernel above its trim threshold. A step's large temporaries (a
+prefill wave's [T, intermediate] activations, a long decode's gathered keys) can
+then be new pages, each first touch a page fault: waves of changing size on a
+worker thread fault thousands of pages a round (tests/test_allocator.py). When
+the wave sizes settle, glibc's own adjustment catches up, and in steady serving
+the difference is within noise (bench/out/ab_session3.txt).
+Raising both thresholds keeps that memory in the heap, where the next wave's
+temporaries reuse it: the process holds on to its peak working set, as a
+serving engine that preallocates would. Linux with glibc only; elsewhere a no-op.
 """
 from __future__ import annotations
 
