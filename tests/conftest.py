@@ -31,14 +31,14 @@ def sharded_llama(tmp_path_factory):
 def local_ray():
     """A local Ray for one test module (loopback, no dashboard), shut down after it."""
     ray = pytest.importorskip("ray")
-    for attempt in (1, 2):  # Ray gives its raylet 30 s to come up; on a loaded 2-core box that once ran out
-        try:
+    for attempt in (1, 2):  # Ray's head processes now and then miss their start-up window on a 2-core box
+        try:  # (seen twice in a dozen full runs: the raylet's 30 s, or the GCS never writing its port file)
             ray.init(num_cpus=16, include_dashboard=False, namespace="wavemesh-test", logging_level="ERROR",
                      log_to_driver=False)
             break
-        except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for a node that timed out
+        except Exception:  # noqa: BLE001 - Ray raises bare Exception / RuntimeError for these; a real fault fails twice
             ray.shutdown()
-            if attempt == 2 or "timed out during startup" not in str(err):
+            if attempt == 2:
                 raise
             time.sleep(5)
     yield ray
