@@ -277,10 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         "mixed_ratio": mixed_ratio, "mixed_ours": _strip(ours), "mixed_hf": _strip(hf), "mixed_outputs_match_hf": match,
         "targets": {"concurrency16_ratio": {"want": TARGET_CONCURRENCY_16, "got": c16, "met": met16},
                     "mixed_ratio": {"want": TARGET_MIXED, "got": mixed_ratio, "met": met_mixed}},
-        "prompt_len": args.prompt_len, "temperature": args.temperature, "top_p": args.top_p, "output_len": args.output_len, "repeats": args.repeats,
+        "prompt_len": args.prompt_len, "output_len": args.output_len, "repeats": args.repeats,
+        "temperature": args.temperature, "top_p": args.top_p,
         "max_wave_tokens": args.max_wave_tokens, "mixed_requests": len(mixed), "mixed_scale": args.mixed_scale,
         "mixed_max_seqs": args.mixed_max_seqs, "hf_batch": args.hf_batch, "kv_bytes": kv_bytes,
-        "detokenize": tok is not None, "dtype": args.dtype, "model": str(model_dir), "machine": {**mach, "bandwidth_gb_s": bandwidth},
+        "detokenize": tok is not None, "dtype": args.dtype, "model": str(model_dir),
+        "machine": {**mach, "bandwidth_gb_s": bandwidth},
     }
     print(json.dumps(figures))
     return 0

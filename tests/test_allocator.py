@@ -12,9 +12,8 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import json, threading, torch
     from mesh.allocator import keep_large_blocks
+    from mesh.hostinfo import minor_faults
     print(keep_large_blocks())
-    def minor_faults():
-        return int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[7])
     faults = []
     def waves():  # on a thread of its own, as the station's compute thread: glibc gives it its own arena
         w1, w2 = torch.randn(2048, 256), torch.randn(256, 2048)
