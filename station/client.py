@@ -82,6 +82,8 @@ class StationClient:
             return rpc(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
             raise StationCallError(method, err.code(), err.details() or "") from None
+        except ValueError as err:  # grpc's "Cannot invoke RPC on closed channel!": this link was closed
+            raise StationCallError(method, grpc.StatusCode.CANCELLED, str(err)) from None
 
     def forward(self, wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequence[int] | torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None) -> ForwardResult:
@@ -111,7 +113,7 @@ class StationClient:
         try:
             reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s,
                                        metadata=self._metadata)
-        except grpc.RpcError:
+        except (grpc.RpcError, ValueError):  # ValueError: the channel was closed
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 

@@ -186,6 +186,11 @@ def test_health_is_serving_and_goes_down_on_stop(tiny_llama):
         client.info()
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     client.close()
+    # a closed client (a link retired by a recovery while a status poll still holds it) fails like any call
+    assert not client.health()
+    with pytest.raises(StationCallError) as info:
+        client.info()
+    assert info.value.code == grpc.StatusCode.CANCELLED
 
 
 class GatedStation:
