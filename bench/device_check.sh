@@ -16,9 +16,9 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 $py - "$device" <<'PY' 2>&1 | tee "$out/parity.txt"
 import sys, torch
 from transformers import AutoModelForCausalLM
-from mesh.cli import resolve_model
-from mesh.config import StationSpec
-from mesh.params import SamplingParams
+from mesh.control.cli import resolve_model
+from mesh.core.config import StationSpec
+from mesh.core.params import SamplingParams
 from station.generate import generate_one
 from station.step import Station
 dev = sys.argv[1]

@@ -20,20 +20,18 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import torch  # noqa: E402
+import torch
 
-from mesh.cli import resolve_model  # noqa: E402
-from mesh.compute import on_compute_thread  # noqa: E402
-from mesh.config import ModelConfig, StationSpec  # noqa: E402
-from mesh.hostinfo import describe_machine  # noqa: E402
-from mesh.params import SamplingParams  # noqa: E402
-from mesh.wave import WaveEntry  # noqa: E402
-from station.step import Station  # noqa: E402
+from mesh.control.cli import resolve_model
+from mesh.core.compute import on_compute_thread
+from mesh.core.config import ModelConfig, StationSpec
+from mesh.core.hostinfo import describe_machine
+from mesh.core.params import SamplingParams
+from mesh.core.wave import WaveEntry
+from station.step import Station
 
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 STREAM = """

@@ -26,16 +26,14 @@ import sys
 import time
 from pathlib import Path
 
-# Run as `python bench/serve.py`, this folder leads sys.path and its bench/mesh.py would shadow the `mesh` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch
 
-from mesh.cli import resolve_model
-from mesh.compute import on_compute_thread
-from mesh.hostinfo import bandwidth_gb_s, describe_machine
-from mesh.config import DTYPE_BYTES, ModelConfig, SchedulerConfig, StationSpec
-from mesh.params import SamplingParams
+from mesh.control.cli import resolve_model
+from mesh.core.compute import on_compute_thread
+from mesh.core.hostinfo import bandwidth_gb_s, describe_machine
+from mesh.core.config import DTYPE_BYTES, ModelConfig, SchedulerConfig, StationSpec
+from mesh.core.params import SamplingParams
 from orchestrator.engine import Engine
 from orchestrator.pipeline import LocalLink
 from station.kv import DEFAULT_BLOCK_TOKENS, blocks_for
@@ -238,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     del station
     hf, match = None, None
     if not args.no_hf:
-        # on the compute thread, where our station ran: the same OpenMP team for both (see mesh.compute)
+        # on the compute thread, where our station ran: the same OpenMP team for both (see mesh.core.compute)
         model = on_compute_thread(load_hf, model_dir, args.dtype)
         on_compute_thread(run_hf, model, [(p[:8], 2) for p, _ in mixed[:2]], args.hf_batch)  # warm-up
         hf = on_compute_thread(run_hf, model, mixed, args.hf_batch)

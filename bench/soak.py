@@ -39,7 +39,7 @@ def _model_dir(arg: str | None) -> str:
     if arg:
         return arg
     sys.path.insert(0, str(ROOT))
-    from mesh.cli import resolve_model
+    from mesh.control.cli import resolve_model
 
     return str(resolve_model(None, "tiny"))
 
@@ -54,7 +54,7 @@ def start_mesh(model: str, stations: int, kills: int, workdir: Path) -> tuple[su
                    f"cluster: {{call_timeout_s: 5, restart_timeout_s: 90, max_restarts: {kills + 2}}}\n")
     log = workdir / "mesh-up.log"
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", str(cfg)], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "mesh.control.cli", "up", str(cfg)], cwd=ROOT, env=env,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

@@ -20,22 +20,18 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-# Run as `python bench/step.py`, this file's folder leads sys.path and its bench/mesh.py would shadow the `mesh`
-# package: take it off before importing anything of the project.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import torch  # noqa: E402
+import torch
 
-from mesh.cli import resolve_model  # noqa: E402
-from mesh.compute import on_compute_thread  # noqa: E402
-from mesh.hostinfo import bandwidth_gb_s, describe_machine  # noqa: E402
-from mesh.config import DTYPE_BYTES, ModelConfig, StationSpec  # noqa: E402
-from mesh.params import SamplingParams  # noqa: E402
-from mesh.wave import WaveEntry  # noqa: E402
-from station.kv import DEFAULT_BLOCK_TOKENS, blocks_for  # noqa: E402
-from station.step import Station  # noqa: E402
+from mesh.control.cli import resolve_model
+from mesh.core.compute import on_compute_thread
+from mesh.core.hostinfo import bandwidth_gb_s, describe_machine
+from mesh.core.config import DTYPE_BYTES, ModelConfig, StationSpec
+from mesh.core.params import SamplingParams
+from mesh.core.wave import WaveEntry
+from station.kv import DEFAULT_BLOCK_TOKENS, blocks_for
+from station.step import Station
 
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 
@@ -172,7 +168,7 @@ def _fmt(v: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run every measurement, print the table and the figures, and end with one JSON line."""
-    # ours and HF's on the one compute thread: the same OpenMP team for both (see mesh.compute)
+    # ours and HF's on the one compute thread: the same OpenMP team for both (see mesh.core.compute)
     return on_compute_thread(_main, argv)
 
 

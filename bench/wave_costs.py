@@ -17,23 +17,20 @@ import statistics
 import sys
 from pathlib import Path
 
-# Run as `python bench/wave_costs.py`, this file's folder leads sys.path and its bench/mesh.py would shadow the
-# `mesh` package: take it off before importing anything of the project.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import torch  # noqa: E402
+import torch
 
-from mesh.cli import resolve_model  # noqa: E402
-from mesh.config import ModelConfig, StationSpec  # noqa: E402
-from mesh.params import SamplingParams  # noqa: E402
-from mesh.wave import WaveEntry  # noqa: E402
-from station.step import Station  # noqa: E402
+from mesh.control.cli import resolve_model
+from mesh.core.config import ModelConfig, StationSpec
+from mesh.core.params import SamplingParams
+from mesh.core.wave import WaveEntry
+from station.step import Station
 
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 
 
 def minor_faults() -> int:
-    """Minor page faults of this process so far (Linux /proc; 0 elsewhere). mesh.hostinfo.minor_faults
+    """Minor page faults of this process so far (Linux /proc; 0 elsewhere). mesh.core.hostinfo.minor_faults
     does the same; this file keeps its own so that it runs at commits older than that function."""
     try:
         return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[7])

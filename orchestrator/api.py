@@ -28,8 +28,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mesh.config import ApiConfig
-from mesh.params import SamplingParams
+from mesh.core.config import ApiConfig
+from mesh.core.params import SamplingParams
 from orchestrator.metrics import CONTENT_TYPE_LATEST, MetricsRegistry, RequestRecord
 from orchestrator.openai_format import DONE, ResponseFormatter, now_s, sse
 from orchestrator.openai_schema import ApiError, GenerationRequest, RequestParser

@@ -19,10 +19,10 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from mesh.config import ModelConfig, SchedulerConfig
-from mesh.params import SamplingParams
+from mesh.core.config import ModelConfig, SchedulerConfig
+from mesh.core.params import SamplingParams
 from orchestrator.pipeline import Pipeline, StationDown, StationLink
-from orchestrator.plan import EngineStats
+from orchestrator.scheduler_types import EngineStats
 from orchestrator.scheduler import AdmissionError, KVLimits, Scheduler, WavePlan
 from orchestrator.stream import CompletionOutput, RequestStream, StreamEvent, TextTracker, TokenLogprob
 

@@ -3,26 +3,25 @@
 MetricsRegistry is the orchestrator's: gauges and counters mapped from EngineStats at scrape
 time (a custom collector, so no Prometheus call lives in scheduling logic), per-request
 counters and histograms observed by the API layer from a RequestRecord when a request ends,
-and wave histograms fed by `observe_wave`. StationMetrics is a station process's: it maps
-Station.stats() (and the server's wire byte counts) at scrape time.
+and wave histograms fed by `observe_wave`. A station process's metrics are station/metrics.py's.
 """
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest,
-                               start_http_server)
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from orchestrator.engine import EngineStats
+from station.metrics import PREFIX
 
-__all__ = ["CONTENT_TYPE_LATEST", "MetricsRegistry", "RequestRecord", "StationMetrics"]
-PREFIX = "wavemesh:"
+if TYPE_CHECKING:
+    from orchestrator.scheduler_types import EngineStats
+
+__all__ = ["CONTENT_TYPE_LATEST", "MetricsRegistry", "RequestRecord"]
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -139,56 +138,3 @@ class MetricsRegistry:
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry)
-
-
-class _StationCollector(Collector):
-    def __init__(self, station, labels: dict[str, str], wire: Callable[[], Mapping[str, int]] | None) -> None:
-        self._station, self._labels, self._wire = station, labels, wire
-
-    def collect(self):
-        """One Station.stats() snapshot -> metric families."""
-        names, values = list(self._labels), list(self._labels.values())
-        s = self._station.stats()
-
-        def family(kind, name: str, doc: str, value=None, extra: dict[str, float] | None = None, label: str = ""):
-            fam = kind(PREFIX + name, doc, labels=names + ([label] if label else []))
-            if extra is None:
-                fam.add_metric(values, value)
-            for key, v in (extra or {}).items():
-                fam.add_metric(values + [key], v)
-            return fam
-
-        yield family(CounterMetricFamily, "station_forward_seconds", "Seconds spent in forward, by phase.",
-                     extra={"prefill": s.prefill_seconds, "decode": s.decode_seconds}, label="phase")
-        yield family(CounterMetricFamily, "station_forwards", "Forward calls (waves) run.", s.forwards)
-        yield family(CounterMetricFamily, "station_rows", "Rows (tokens) run through the layers.", s.rows)
-        yield family(GaugeMetricFamily, "station_kv_bytes_used", "KV bytes in use.", s.kv.bytes_used)
-        yield family(GaugeMetricFamily, "station_kv_bytes_total", "KV byte budget.", s.kv.bytes_total)
-        yield family(GaugeMetricFamily, "station_sequences", "Sequences holding KV.", s.kv.sequences)
-        wire = dict(self._wire()) if self._wire is not None else {}
-        yield family(CounterMetricFamily, "station_wire_bytes", "Message bytes on the wire, by direction.",
-                     extra={d: wire.get(d, 0) for d in sorted({"in", "out", *wire})}, label="direction")
-
-
-class StationMetrics:
-    """A station process's metrics, labelled by station and layer range; `render()` for its endpoint."""
-
-    def __init__(self, station, labels: Mapping[str, str] | None = None,
-                 wire: Callable[[], Mapping[str, int]] | None = None) -> None:
-        """`station` has `.stats() -> StationStats` and `.spec.layers`; `wire()` returns bytes by direction
-        ({"in": n, "out": m}) as counted by the server. Labels default to station="s<start>", layers="start-end"."""
-        start, end = station.spec.layers
-        merged = {"station": f"s{start}", "layers": f"{start}-{end}"}
-        merged.update({str(k): str(v) for k, v in (labels or {}).items()})
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_StationCollector(station, merged, wire))
-
-    def render(self) -> bytes:
-        """The Prometheus text exposition of this station's metrics."""
-        return generate_latest(self.registry)
-
-    def serve(self, host: str = "127.0.0.1", port: int = 0):
-        """Serve this registry over HTTP (any path, e.g. /metrics) on host:port (0 = a free port) from a
-        daemon thread; returns the server: `.server_port` is the bound port, `.shutdown()` stops it."""
-        httpd, _ = start_http_server(port, addr=host, registry=self.registry)
-        return httpd

@@ -14,8 +14,8 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from mesh.config import ModelConfig
-from mesh.params import MAX_LOGPROBS, ParamError, SamplingParams
+from mesh.core.config import ModelConfig
+from mesh.core.params import MAX_LOGPROBS, ParamError, SamplingParams
 
 # fields that would change the result if honoured; refused rather than silently ignored
 _UNSUPPORTED = {"echo": (False, None), "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),

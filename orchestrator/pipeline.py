@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from mesh.wave import SampledToken, WaveEntry
+from mesh.core.wave import SampledToken, WaveEntry
 
 
 class StationDown(RuntimeError):

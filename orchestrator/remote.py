@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import grpc
 
-from mesh.cluster import StationTls
-from mesh.wire import WireError
+from mesh.core.transport import StationTls
+from mesh.core.wire import WireError
 from orchestrator.pipeline import LinkKV, LinkOutput, StationDown
 from station.client import StationCallError, StationClient
 

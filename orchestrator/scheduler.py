@@ -15,10 +15,10 @@ Where a sequence's station KV must be released:
 from __future__ import annotations
 
 
-from mesh.config import SchedulerConfig
-from mesh.params import SamplingParams
-from mesh.wave import SampledToken, WaveEntry
-from orchestrator.plan import (REFUSAL_REASONS, AdmissionError, CommitResult, KVLimits, SchedulerStats,
+from mesh.core.config import SchedulerConfig
+from mesh.core.params import SamplingParams
+from mesh.core.wave import SampledToken, WaveEntry
+from orchestrator.scheduler_types import (REFUSAL_REASONS, AdmissionError, CommitResult, KVLimits, SchedulerStats,
                                TokenEvent, WavePlan)
 from orchestrator.sequence import KVBlockLedger, Request, Sequence, SequenceStatus, SequenceTable, WaitingQueue
 

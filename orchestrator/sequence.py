@@ -10,7 +10,7 @@ import bisect
 from dataclasses import dataclass, field
 from enum import Enum
 
-from mesh.params import SamplingParams
+from mesh.core.params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

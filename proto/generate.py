@@ -1,9 +1,9 @@
-"""Regenerate the committed Python bindings in mesh/proto/ from proto/wavemesh/v1/station.proto.
+"""Regenerate the committed Python bindings in mesh/core/proto/ from proto/wavemesh/v1/station.proto.
 
-    python proto/generate.py            # writes mesh/proto/station_pb2{.py,.pyi,_grpc.py}
+    python proto/generate.py            # writes mesh/core/proto/station_pb2{.py,.pyi,_grpc.py}
 
 protoc names the gRPC module's import after the proto path (`from wavemesh.v1 import
-station_pb2`); the bindings live in the `mesh.proto` package, so that one import line
+station_pb2`); the bindings live in the `mesh.core.proto` package, so that one import line
 is rewritten. tests/test_proto_generated.py regenerates into a temp dir and compares.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 
 PROTO_ROOT = Path(__file__).resolve().parent  # the -I include root
 PROTO_FILE = "wavemesh/v1/station.proto"
-DEFAULT_OUT = PROTO_ROOT.parent / "mesh" / "proto"
+DEFAULT_OUT = PROTO_ROOT.parent / "mesh" / "core" / "proto"
 GENERATED = ("station_pb2.py", "station_pb2.pyi", "station_pb2_grpc.py")
 _PROTOC_IMPORT = "from wavemesh.v1 import station_pb2 as"
-_PACKAGE_IMPORT = "from mesh.proto import station_pb2 as"
+_PACKAGE_IMPORT = "from mesh.core.proto import station_pb2 as"
 
 
 def generate(out_dir: str | Path) -> list[Path]:

@@ -20,9 +20,9 @@ import ray
 import torch
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
-from mesh.compute import on_compute_thread
-from mesh.config import StationSpec
-from orchestrator.metrics import StationMetrics
+from mesh.core.compute import on_compute_thread
+from mesh.core.config import StationSpec
+from station.metrics import StationMetrics
 from station.kv import DEFAULT_BLOCK_TOKENS
 from station.probe import ProbeConfig
 from station.server import ServerLimits, info_reply, start_server

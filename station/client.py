@@ -18,11 +18,11 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mesh.cluster import StationTls
-from mesh.proto import station_pb2 as pb
-from mesh.proto import station_pb2_grpc
-from mesh.wave import SampledToken, WaveEntry, wave_rows
-from mesh.wire import WireError, encode_forward, proto_to_samples, proto_to_tensor
+from mesh.core.transport import StationTls, bearer_metadata
+from mesh.core.proto import station_pb2 as pb
+from mesh.core.proto import station_pb2_grpc
+from mesh.core.wave import SampledToken, WaveEntry, wave_rows
+from mesh.core.wire import WireError, encode_forward, proto_to_samples, proto_to_tensor
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
 
@@ -64,9 +64,7 @@ class StationClient:
         self.vocab_size = vocab_size
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
-        if token is not None and not (isinstance(token, str) and token and token.isascii() and token.isprintable()):
-            raise ValueError("token: must be a non-empty string of printable ASCII (it travels as gRPC metadata)")
-        self._metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
+        self._metadata = bearer_metadata(token)
         if tls is None:
             self._channel = grpc.insecure_channel(address, options=options)
         else:

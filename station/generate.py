@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from mesh.params import SamplingParams
-from mesh.wave import WaveEntry
+from mesh.core.params import SamplingParams
+from mesh.core.wave import WaveEntry
 from station.step import Station
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mesh.config import DTYPE_BYTES, ModelConfig, StationSpec
-from mesh.model.loader import TORCH_DTYPES
+from mesh.core.config import DTYPE_BYTES, ModelConfig, StationSpec
+from mesh.core.model.loader import TORCH_DTYPES
 
 DEFAULT_BLOCK_TOKENS = 16
 

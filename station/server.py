@@ -1,6 +1,6 @@
 """The gRPC servicer of one station (thin): decode a request, run the step, encode the reply.
 
-All validation lives in `mesh.wire` (message shape, dtypes, limits) and in
+All validation lives in `mesh.core.wire` (message shape, dtypes, limits) and in
 `Station.forward` (positions, KV); this file only maps their errors to status codes:
 
     WireError, StepError -> INVALID_ARGUMENT     KVBudgetError -> RESOURCE_EXHAUSTED
@@ -35,11 +35,11 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mesh.cluster import StationTls
-from mesh.config import DTYPE_BYTES, ConfigError
-from mesh.proto import station_pb2 as pb
-from mesh.proto import station_pb2_grpc
-from mesh.wire import WireError, decode_forward, samples_to_proto, tensor_to_proto
+from mesh.core.config import DTYPE_BYTES, ConfigError
+from mesh.core.proto import station_pb2 as pb
+from mesh.core.proto import station_pb2_grpc
+from mesh.core.transport import StationTls, check_token
+from mesh.core.wire import WireError, decode_forward, samples_to_proto, tensor_to_proto
 from station.kv import KVBudgetError
 from station.probe import HealthProbe, ProbeConfig
 from station.step import Station, StepError
@@ -136,13 +136,6 @@ class StrictDecode(grpc.ServerInterceptor):
 
 class _Malformed(str):
     """What StrictDecode hands on in place of a request that did not parse (the parser's message)."""
-
-
-def check_token(token: object) -> str:
-    """The token itself if it can travel as gRPC metadata (non-empty printable ASCII), else ValueError."""
-    if not (isinstance(token, str) and token and token.isascii() and token.isprintable()):
-        raise ValueError("cluster token: must be a non-empty string of printable ASCII")
-    return token
 
 
 class StationServicer(station_pb2_grpc.StationServicer):

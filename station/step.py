@@ -4,7 +4,7 @@ A wave is K entries (seq_id, start_pos, n_tokens), prompt chunks and decode
 tokens together, T rows in all. Every linear layer runs once over all T rows
 (one weight read per wave); attention runs per sequence against its own KV:
 decode rows (n == 1) batched by key length, prompt chunks one by one. A row's
-result never depends on the rest of its wave (see WaveAttention, mesh.model.kernels).
+result never depends on the rest of its wave (see WaveAttention, mesh.core.model.kernels).
 """
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mesh.compute import on_compute_thread
-from mesh.config import ModelConfig, StationSpec
-from mesh.model.kernels import use_linear_backend
-from mesh.model.loader import TORCH_DTYPES, load_range
-from mesh.sampling import sample_tokens
-from mesh.wave import SampledToken, WaveEntry, wave_rows
+from mesh.core.compute import on_compute_thread
+from mesh.core.config import ModelConfig, StationSpec
+from mesh.core.model.kernels import use_linear_backend
+from mesh.core.model.loader import TORCH_DTYPES, load_range
+from mesh.core.sampling import sample_tokens
+from mesh.core.wave import SampledToken, WaveEntry, wave_rows
 from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats
 
 
@@ -136,7 +136,7 @@ class Station:
     """Layers [start, end) of a checkpoint, their KV, and the batched wave step.
 
     Loading, steps, probes and releases all run on the process's compute thread
-    (mesh.compute), whichever thread calls them.
+    (mesh.core.compute), whichever thread calls them.
     """
 
     def __init__(self, model_dir: str | Path, spec: StationSpec, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:

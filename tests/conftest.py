@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from mesh.model.synthetic import init_model
+from mesh.core.model.synthetic import init_model
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """The compute thread's allocator setting: waves of changing size reuse freed memory instead of
-faulting in fresh pages (mesh/allocator.py)."""
+faulting in fresh pages (mesh/core/allocator.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -11,8 +11,8 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import json, threading, torch
-    from mesh.allocator import keep_large_blocks
-    from mesh.hostinfo import minor_faults
+    from mesh.core.allocator import keep_large_blocks
+    from mesh.core.hostinfo import minor_faults
     print(keep_large_blocks())
     faults = []
     def waves():  # on a thread of its own, as the station's compute thread: glibc gives it its own arena

@@ -14,11 +14,12 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
-from mesh.config import ApiConfig, ModelConfig, SchedulerConfig, StationSpec
-from mesh.params import SamplingParams
+from mesh.core.config import ApiConfig, ModelConfig, SchedulerConfig, StationSpec
+from mesh.core.params import SamplingParams
 from orchestrator.api import OPEN_PATHS, create_app
 from orchestrator.engine import Engine
-from orchestrator.metrics import RequestRecord, StationMetrics
+from orchestrator.metrics import RequestRecord
+from station.metrics import StationMetrics
 from orchestrator.pipeline import LocalLink
 from station.step import Station
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mesh.config import StationSpec
-from mesh.model.kernels import batch_invariant_linear, pick_linear
-from mesh.params import SamplingParams
-from mesh.wave import WaveEntry
-from mesh.compute import on_compute_thread
+from mesh.core.config import StationSpec
+from mesh.core.model.kernels import batch_invariant_linear, pick_linear
+from mesh.core.params import SamplingParams
+from mesh.core.wave import WaveEntry
+from mesh.core.compute import on_compute_thread
 from station.step import Station
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0)

@@ -1,4 +1,4 @@
-"""Smoke test: bench/mesh.py runs end to end on the tiny checkpoint over local Ray (no timed assertions)."""
+"""Smoke test: bench/chain.py runs end to end on the tiny checkpoint over local Ray (no timed assertions)."""
 from __future__ import annotations
 
 import json
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "mesh.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "chain.py"
 
 
 def test_bench_mesh_quick_runs(tiny_llama):
-    """`bench/mesh.py --quick` (in-process, 1 and 2 stations over gRPC) ends with a JSON line of positive tok/s."""
+    """`bench/chain.py --quick` (in-process, 1 and 2 stations over gRPC) ends with a JSON line of positive tok/s."""
     pytest.importorskip("ray")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_llama), "--quick"],

@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
-from mesh.config import StationSpec
-from mesh.params import SamplingParams
+from mesh.core.config import StationSpec
+from mesh.core.params import SamplingParams
 from station.generate import generate_one
 from station.step import Station
 
@@ -27,7 +27,7 @@ def _free_port() -> int:
 
 
 def _mesh(*args, env, timeout=120):
-    return subprocess.run([sys.executable, "-m", "mesh.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mesh.control.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -82,7 +82,7 @@ def test_mesh_up_serves_and_scales_mid_stream(tmp_path, env, tiny_llama):
     cfg.write_text(f"model: {{path: {tiny_llama}}}\nstations:\n  - {{layers: [0, 1]}}\n  - {{layers: [1, 4]}}\n"
                    f"  - {{layers: [4, 6]}}\nscheduler: {{max_seqs: 16, max_wave_tokens: 64}}\n"
                    f"api: {{host: 127.0.0.1, port: {port}}}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", str(cfg)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "mesh.control.cli", "up", str(cfg)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_healthy(url)
@@ -121,7 +121,7 @@ def _mesh_up(tmp_path, env, model_dir, extra_yaml: str) -> tuple[subprocess.Pope
     port = _free_port()
     cfg = tmp_path / "up.yaml"
     cfg.write_text(f"model: {{path: {model_dir}}}\napi: {{host: 127.0.0.1, port: {port}}}\n" + extra_yaml)
-    proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", str(cfg)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "mesh.control.cli", "up", str(cfg)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from mesh.cluster import (ClusterConfig, MeshConfig, ModelSource, RayConfig, default_mesh_config, load_mesh_config,
+from mesh.control.cluster_yaml import (ClusterConfig, MeshConfig, ModelSource, RayConfig, default_mesh_config, load_mesh_config,
                           mesh_config_from_dict, parse_size)
-from mesh.layer_plan import layer_weights, plan_layers, split_weights, station_bytes, step_weights
-from mesh.config import ApiConfig, ConfigError, ModelConfig, SchedulerConfig, StationSpec
-from mesh.model.synthetic import preset_config
+from mesh.control.layer_plan import layer_weights, plan_layers, split_weights, station_bytes, step_weights
+from mesh.core.config import ApiConfig, ConfigError, ModelConfig, SchedulerConfig, StationSpec
+from mesh.core.model.synthetic import preset_config
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 GOOD = "model: {preset: tiny}\n"  # 6 layers
@@ -325,7 +325,7 @@ def test_station_bytes_counts_embedding_head_and_tying():
 
 
 def test_a_checkpoint_config_loads_without_importing_torch(tmp_path):
-    code = ("import sys; from mesh.cluster import mesh_config_from_dict as f; "
+    code = ("import sys; from mesh.control.cluster_yaml import mesh_config_from_dict as f; "
             "f({'model': {'path': '/models/x'}, 'stations': {'count': 2}}, check_paths=False); "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)

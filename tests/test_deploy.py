@@ -11,11 +11,12 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from mesh.cluster import ClusterConfig, MeshConfig, ModelSource, mesh_config_from_dict
-from mesh.config import ApiConfig, StationSpec
-from mesh.up import file_sd_targets, write_targets
+from mesh.control.cluster_yaml import ClusterConfig, MeshConfig, ModelSource, mesh_config_from_dict
+from mesh.core.config import ApiConfig, StationSpec
+from mesh.control.up import file_sd_targets, write_targets
 from orchestrator.engine import EngineStats
-from orchestrator.metrics import MetricsRegistry, RequestRecord, StationMetrics
+from orchestrator.metrics import MetricsRegistry, RequestRecord
+from station.metrics import StationMetrics
 from station.step import Station
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,8 +8,8 @@ import time
 import pytest
 from tokenizers import Tokenizer
 
-from mesh.config import ModelConfig, SchedulerConfig, StationSpec
-from mesh.params import SamplingParams
+from mesh.core.config import ModelConfig, SchedulerConfig, StationSpec
+from mesh.core.params import SamplingParams
 from orchestrator.engine import AdmissionError, Engine
 from orchestrator.pipeline import LocalLink
 from station.generate import generate_one

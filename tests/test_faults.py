@@ -11,9 +11,9 @@ import grpc
 import pytest
 from tokenizers import Tokenizer
 
-from mesh.config import ModelConfig, SchedulerConfig, StationSpec
-from mesh.params import SamplingParams
-from mesh.proto import station_pb2_grpc
+from mesh.core.config import ModelConfig, SchedulerConfig, StationSpec
+from mesh.core.params import SamplingParams
+from mesh.core.proto import station_pb2_grpc
 from orchestrator.engine import Engine
 from orchestrator.remote import RemoteLink
 from station.generate import generate_one
@@ -117,8 +117,8 @@ ray = pytest.importorskip("ray")
 
 
 def _cluster(model_dir, tokenizer=None, **cluster_kw):
-    from mesh.cluster import ClusterConfig, MeshConfig, ModelSource
-    from mesh.launch import Cluster
+    from mesh.control.cluster_yaml import ClusterConfig, MeshConfig, ModelSource
+    from mesh.control.cluster import Cluster
 
     cfg = MeshConfig(model=ModelSource(path=str(model_dir)),
                      stations=(StationSpec(layers=(0, 2)), StationSpec(layers=(2, 6))),
@@ -216,7 +216,7 @@ def test_targets_file_follows_a_restarted_station(local_ray, tiny_llama, tmp_pat
     """The Prometheus targets file names a restarted station's new metrics endpoint."""
     import json
 
-    from mesh.up import build_app
+    from mesh.control.up import build_app
 
     targets = tmp_path / "targets.json"
     cluster = _cluster(tiny_llama, Tokenizer.from_file(str(tiny_llama / "tokenizer.json")), call_timeout_s=3,
@@ -259,7 +259,7 @@ def test_station_with_no_restarts_left_ends_requests_and_refuses_new(local_ray, 
         assert refused.value.status == 503
         from starlette.testclient import TestClient
 
-        from mesh.config import ApiConfig
+        from mesh.core.config import ApiConfig
         from orchestrator.api import create_app
 
         app = create_app(cluster.engine, Tokenizer.from_file(str(tiny_llama / "tokenizer.json")), "", "tiny",

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from mesh.config import StationSpec
-from mesh.params import SamplingParams
-from mesh.wave import WaveEntry
+from mesh.core.config import StationSpec
+from mesh.core.params import SamplingParams
+from mesh.core.wave import WaveEntry
 from station.client import StationClient
 from station.probe import ProbeConfig
 from station.server import start_server

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from mesh.hostinfo import bandwidth_gb_s, cpu_seconds_by_role
+from mesh.core.hostinfo import bandwidth_gb_s, cpu_seconds_by_role
 
 
 def _spin(seconds: float) -> None:

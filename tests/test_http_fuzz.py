@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 from tokenizers import Tokenizer
 
-from mesh.config import ApiConfig, ModelConfig, SchedulerConfig, StationSpec
+from mesh.core.config import ApiConfig, ModelConfig, SchedulerConfig, StationSpec
 from orchestrator.api import MAX_BODY_BYTES, create_app
 from orchestrator.engine import Engine
 from orchestrator.pipeline import LocalLink

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mesh.config import ConfigError, ModelConfig, StationSpec
-from mesh.model.loader import CheckpointError, load_range
+from mesh.core.config import ConfigError, ModelConfig, StationSpec
+from mesh.core.model.loader import CheckpointError, load_range
 from station.step import Station
 
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.cluster import MeshConfig, ModelSource
-from mesh.config import SchedulerConfig, StationSpec
-from mesh.launch import Cluster
-from mesh.params import SamplingParams
+from mesh.control.cluster_yaml import MeshConfig, ModelSource
+from mesh.core.config import SchedulerConfig, StationSpec
+from mesh.control.cluster import Cluster
+from mesh.core.params import SamplingParams
 from station.generate import generate_one
 from station.step import Station
 

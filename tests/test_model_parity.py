@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mesh.config import StationSpec
-from mesh.params import SamplingParams
-from mesh.wave import WaveEntry
+from mesh.core.config import StationSpec
+from mesh.core.params import SamplingParams
+from mesh.core.wave import WaveEntry
 from station.step import Station
 
 transformers = pytest.importorskip("transformers")
@@ -59,7 +59,7 @@ def test_arch_features_are_exercised(model_dirs):
 @pytest.mark.parametrize("backend", ["aten", "auto"])
 def test_linear_backends_agree(tiny_llama, backend):
     """Both matmul kernels give the reference's greedy tokens and logits within 1e-4 of each other."""
-    from mesh.model.kernels import batch_invariant_linear, pick_linear
+    from mesh.core.model.kernels import batch_invariant_linear, pick_linear
 
     st = Station(tiny_llama, StationSpec(layers=(0, 6), linear_backend=backend))
     kernel = st.model.model.layers["0"].mlp.up_proj.kernel

@@ -1,4 +1,4 @@
-"""The committed bindings in mesh/proto/ must equal a fresh protoc run on station.proto."""
+"""The committed bindings in mesh/core/proto/ must equal a fresh protoc run on station.proto."""
 from __future__ import annotations
 
 import importlib.util
@@ -24,12 +24,12 @@ def test_committed_bindings_match_proto(tmp_path: Path) -> None:
     assert sorted(p.name for p in written) == sorted(gen.GENERATED)
     for name in gen.GENERATED:
         fresh = (tmp_path / name).read_text()
-        committed = (ROOT / "mesh" / "proto" / name).read_text()
-        assert committed == fresh, f"mesh/proto/{name} is stale: run `python proto/generate.py`"
+        committed = (ROOT / "mesh" / "core" / "proto" / name).read_text()
+        assert committed == fresh, f"mesh/core/proto/{name} is stale: run `python proto/generate.py`"
 
 
 def test_grpc_module_imports_from_package() -> None:
-    from mesh.proto import station_pb2, station_pb2_grpc
+    from mesh.core.proto import station_pb2, station_pb2_grpc
 
     assert station_pb2_grpc.wavemesh_dot_v1_dot_station__pb2 is station_pb2
     assert hasattr(station_pb2_grpc, "StationStub") and hasattr(station_pb2_grpc, "StationServicer")

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from mesh.params import SamplingParams
-from mesh.sampling import _nucleus, sample_tokens
+from mesh.core.params import SamplingParams
+from mesh.core.sampling import _nucleus, sample_tokens
 
 DRAWS = 4000
 

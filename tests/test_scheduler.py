@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mesh.config import SchedulerConfig
-from mesh.params import SamplingParams
-from mesh.wave import SampledToken
+from mesh.core.config import SchedulerConfig
+from mesh.core.params import SamplingParams
+from mesh.core.wave import SampledToken
 from orchestrator.scheduler import AdmissionError, KVLimits, Scheduler, WavePlan
 
 VOCAB, EOS = 1000, 0

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mesh.config import StationSpec
-from mesh.params import SamplingParams
-from mesh.wave import WaveEntry
+from mesh.core.config import StationSpec
+from mesh.core.params import SamplingParams
+from mesh.core.wave import WaveEntry
 from station.generate import forward_chain, generate_one
 from station.kv import KVBudgetError
 from station.step import Station

@@ -6,9 +6,9 @@ import signal
 
 import pytest
 
-from mesh.config import StationSpec
-from mesh.params import SamplingParams
-from mesh.wave import WaveEntry
+from mesh.core.config import StationSpec
+from mesh.core.params import SamplingParams
+from mesh.core.wave import WaveEntry
 from station.client import StationClient
 from station.generate import generate_one
 from station.step import Station

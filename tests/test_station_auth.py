@@ -12,12 +12,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mesh.cluster import ClusterConfig, StationTls, load_mesh_config
-from mesh.config import ConfigError, StationSpec
-from mesh.params import SamplingParams
-from mesh.proto import station_pb2_grpc
-from mesh.wave import WaveEntry
-from mesh.wire import encode_forward
+from mesh.control.cluster_yaml import ClusterConfig, load_mesh_config
+from mesh.core.transport import StationTls
+from mesh.core.config import ConfigError, StationSpec
+from mesh.core.params import SamplingParams
+from mesh.core.proto import station_pb2_grpc
+from mesh.core.wave import WaveEntry
+from mesh.core.wire import encode_forward
 from station.client import StationCallError, StationClient
 from station.server import start_server
 from station.step import Station

@@ -7,12 +7,12 @@ import grpc
 import pytest
 import torch
 
-from mesh.config import StationSpec
-from mesh.params import SamplingParams
-from mesh.proto import station_pb2 as pb
-from mesh.proto import station_pb2_grpc
-from mesh.wave import WaveEntry
-from mesh.wire import encode_forward, tensor_to_proto
+from mesh.core.config import StationSpec
+from mesh.core.params import SamplingParams
+from mesh.core.proto import station_pb2 as pb
+from mesh.core.proto import station_pb2_grpc
+from mesh.core.wave import WaveEntry
+from mesh.core.wire import encode_forward, tensor_to_proto
 from station.client import StationCallError, StationClient
 from station.generate import generate_one
 from station.server import ServerLimits, start_server

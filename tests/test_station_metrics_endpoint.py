@@ -7,12 +7,12 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from mesh.config import ModelConfig, SchedulerConfig, StationSpec
-from mesh.params import SamplingParams
+from mesh.core.config import ModelConfig, SchedulerConfig, StationSpec
+from mesh.core.params import SamplingParams
 from orchestrator.engine import Engine
 from orchestrator.remote import RemoteLink
 from station.actor import StationActor
-from mesh.compute import on_compute_thread
+from mesh.core.compute import on_compute_thread
 
 
 def _samples(address: str) -> dict[tuple[str, tuple], float]:

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
-from mesh.config import ApiConfig, ModelConfig, SchedulerConfig, StationSpec
+from mesh.core.config import ApiConfig, ModelConfig, SchedulerConfig, StationSpec
 from orchestrator.api import create_app
 from orchestrator.engine import Engine
 from orchestrator.pipeline import LocalLink
@@ -84,7 +84,7 @@ def mesh(tmp_path_factory, tiny_llama):
                    f"cluster: {{targets_file: {targets}}}\n")
     env = dict(os.environ, WAVEMESH_CACHE=str(tmp / "cache"), RAY_AUTH_MODE="disabled")
     log = open(tmp / "mesh-up.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", str(cfg)], env=env, stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", "mesh.control.cli", "up", str(cfg)], env=env, stdout=log,
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

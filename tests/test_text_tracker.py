@@ -10,7 +10,7 @@ import random
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
-from mesh.model.tokenizer_gen import build_tokenizer
+from mesh.core.model.tokenizer_gen import build_tokenizer
 from orchestrator.stream import TextTracker
 
 

@@ -1,4 +1,4 @@
-"""Tests for mesh.model.tokenizer_gen: the deterministic synthetic HF tokenizer."""
+"""Tests for mesh.core.model.tokenizer_gen: the deterministic synthetic HF tokenizer."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 from tokenizers import Tokenizer
 
-from mesh.model import tokenizer_gen as tg
-from mesh.model.tokenizer_gen import build_tokenizer, write_tokenizer
+from mesh.core.model import tokenizer_gen as tg
+from mesh.core.model.tokenizer_gen import build_tokenizer, write_tokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog 1234567890.",

@@ -1,4 +1,4 @@
-"""mesh.wire: tensor/entry/sample round trips and every validation failure naming its field."""
+"""mesh.core.wire: tensor/entry/sample round trips and every validation failure naming its field."""
 from __future__ import annotations
 
 import inspect
@@ -7,11 +7,11 @@ import pickle
 import pytest
 import torch
 
-from mesh import wire
-from mesh.params import SamplingParams
-from mesh.proto import station_pb2 as pb
-from mesh.wave import SampledToken, WaveEntry
-from mesh.wire import WireError
+from mesh.core import wire
+from mesh.core.params import SamplingParams
+from mesh.core.proto import station_pb2 as pb
+from mesh.core.wave import SampledToken, WaveEntry
+from mesh.core.wire import WireError
 
 DTYPES = ["float32", "bfloat16", "float16", "int32", "int64"]
 LIMITS = dict(hidden_size=8, dtype="bfloat16", vocab_size=100, max_entries=4, max_rows=16)
@@ -269,7 +269,7 @@ def test_wire_never_unpickles(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "pickle" not in src and "torch.load" not in src and "torch.save" not in src
 
     def refuse(*_a, **_k):
-        raise AssertionError("mesh.wire must not deserialize Python objects")
+        raise AssertionError("mesh.core.wire must not deserialize Python objects")
 
     for name in ("loads", "load", "Unpickler"):
         monkeypatch.setattr(pickle, name, refuse)

@@ -21,12 +21,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mesh.config import StationSpec
-from mesh.params import SamplingParams
-from mesh.proto import station_pb2 as pb
-from mesh.proto import station_pb2_grpc
-from mesh.wave import WaveEntry
-from mesh.wire import DTYPES, entries_to_proto, proto_to_entries
+from mesh.core.config import StationSpec
+from mesh.core.params import SamplingParams
+from mesh.core.proto import station_pb2 as pb
+from mesh.core.proto import station_pb2_grpc
+from mesh.core.wave import WaveEntry
+from mesh.core.wire import DTYPES, entries_to_proto, proto_to_entries
 from station.server import ServerLimits, start_server
 from station.step import Station
 

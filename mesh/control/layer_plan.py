@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 
-from mesh.config import DTYPE_BYTES, SUPPORTED_DTYPES, ModelConfig, _require
+from mesh.core.config import DTYPE_BYTES, SUPPORTED_DTYPES, ModelConfig, _require
 
 
 def _is_int(v: object) -> bool:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mesh.model.llama import Linear
+from mesh.core.model.llama import Linear
 
 LINEAR_BACKENDS = ("auto", "aten", "onednn")
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]

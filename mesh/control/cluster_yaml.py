@@ -1,10 +1,10 @@
 """The cluster YAML that `mesh up CONFIG.yaml` reads, as one frozen MeshConfig.
 
 `load_mesh_config` refuses every mistake with a ConfigError whose message starts
-`"{file}: {key.path}: "`; the dataclasses validate themselves as in mesh/config.py.
+`"{file}: {key.path}: "`; the dataclasses validate themselves as in mesh/core/config.py.
 Layer coverage needs the model's layer count, so `MeshConfig.resolve(model)` checks
-explicit stations against it (or plans `count` stations, mesh.layer_plan). No torch at
-import; presets import mesh.model.synthetic (torch) when their shape is needed.
+explicit stations against it (or plans `count` stations, mesh.control.layer_plan). No torch at
+import; presets import mesh.core.model.synthetic (torch) when their shape is needed.
 """
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from typing import Any
 
 import yaml
 
-from mesh.config import (SUPPORTED_ARCHS, SUPPORTED_DTYPES, ApiConfig, ConfigError, ModelConfig,
+from mesh.core.config import (SUPPORTED_ARCHS, SUPPORTED_DTYPES, ApiConfig, ConfigError, ModelConfig,
                          SchedulerConfig, StationSpec, _require)
-from mesh.layer_plan import BALANCES, plan_layers, split_weights
+from mesh.core.transport import StationTls
+from mesh.control.layer_plan import BALANCES, plan_layers, split_weights
 
 DEFAULT_KV_BYTES = 256 * 2**20
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -27,7 +28,7 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 def _presets() -> tuple[str, ...]:
-    from mesh.model.synthetic import PRESETS  # imports torch: only when a preset is named
+    from mesh.core.model.synthetic import PRESETS  # imports torch: only when a preset is named
 
     return tuple(PRESETS)
 
@@ -53,7 +54,7 @@ class ModelSource:
     def model_config(self) -> ModelConfig:
         """The model's shape: the preset's, or read from the checkpoint's config.json."""
         if self.preset is not None:
-            from mesh.model.synthetic import preset_config
+            from mesh.core.model.synthetic import preset_config
 
             return preset_config(self.preset, self.arch)
         p = Path(self.path)
@@ -78,31 +79,6 @@ class RayConfig:
         _require(self.address is None or (isinstance(self.address, str) and self.address != ""),
                  f"ray.address: expected a non-empty string or null, got {self.address!r}")
         _require(isinstance(self.namespace, str) and self.namespace != "", "ray.namespace: must be a non-empty string")
-
-
-@dataclass(frozen=True, slots=True)
-class StationTls:
-    """PEM bytes for mutual TLS between orchestrator and stations: this side's cert and key, the cluster CA.
-
-    A station presents a certificate for `server_name` (a DNS SAN), which the client checks in place of
-    the address's host, so one certificate serves stations on any node; both sides must chain to `ca`.
-    """
-
-    cert: bytes
-    key: bytes
-    ca: bytes
-    server_name: str = "wavemesh-station"
-
-    @classmethod
-    def from_files(cls, cert: str | Path, key: str | Path, ca: str | Path) -> StationTls:
-        """Read the three PEM files (ConfigError naming the one that cannot be read)."""
-        pems = []
-        for name, path in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)):
-            try:
-                pems.append(Path(path).expanduser().read_bytes())
-            except OSError as e:
-                raise ConfigError(f"cluster.{name}: cannot read {path}: {e.strerror or e}") from None
-        return cls(*pems)
 
 
 @dataclass(frozen=True, slots=True)

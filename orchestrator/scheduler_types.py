@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mesh.wave import WaveEntry
+from mesh.core.wave import WaveEntry
 
 REFUSAL_REASONS = ("never_fits", "queue_full", "invalid")
 

@@ -18,9 +18,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from mesh.cluster import MeshConfig
-from mesh.layer_plan import plan_layers, split_weights
-from mesh.config import ConfigError, ModelConfig, StationSpec
+import ray
+from ray.exceptions import GetTimeoutError
+
+from mesh.control.cluster_yaml import MeshConfig
+from mesh.control.layer_plan import plan_layers, split_weights
+from mesh.core.config import ConfigError, ModelConfig, StationSpec
+from orchestrator.engine import Engine
+from orchestrator.remote import RemoteLink
+from station.actor import create_station, station_address, stop_station
+from station.probe import ProbeConfig
 
 
 def _say(msg: str) -> None:
@@ -52,10 +59,6 @@ class Cluster:
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self, tokenizer=None) -> None:
         """Connect to (or start) Ray, launch every station, and build the engine over them."""
-        import ray
-
-        from orchestrator.engine import Engine
-
         if not ray.is_initialized():
             kw = {"namespace": self.config.ray.namespace, "include_dashboard": False, "logging_level": "WARNING",
                   "log_to_driver": False}
@@ -73,15 +76,11 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop the engine and every station actor (and Ray, if this cluster started it)."""
-        import ray
-
-        from station.actor import stop_station
-
         self._stopping.set()
         if self.engine is not None:
             self.engine.close()
         for spec in list(self._actors):
-            self._retire(spec, stop_station)
+            self._retire(spec)
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
 
@@ -125,14 +124,12 @@ class Cluster:
     def reroute(self, specs: tuple[StationSpec, ...]) -> tuple[StationSpec, ...]:
         """Start what `specs` needs beside the current stations, switch the route between waves,
         then retire the old route's stations that the new plan does not use."""
-        from station.actor import stop_station
-
         specs = self.prepare(specs)
         with self._scale_lock:
             self.progress(f"switching route to {len(specs)} station(s): {[list(s.layers) for s in specs]}")
             self.engine.switch_route([self._links[s] for s in specs])
             for old in [s for s in self.specs if s not in specs]:
-                self._retire(old, stop_station)
+                self._retire(old)
             self.specs = specs
             self._generation += 1
         return specs
@@ -141,11 +138,6 @@ class Cluster:
         """Bring the current route back after a failed call: keep stations that answer, wait for Ray to
         restart dead ones, and restart hung ones (a stopped process is not restarted by Ray on its own).
         Raises when a station is not back within `cluster.restart_timeout_s` (or has no restarts left)."""
-        import ray
-        from ray.exceptions import GetTimeoutError
-
-        from station.actor import station_address
-
         timeout = self.config.cluster.restart_timeout_s
         moved = False
         with self._scale_lock:
@@ -192,8 +184,6 @@ class Cluster:
     # ---- status ----------------------------------------------------------------------------------
     def status(self) -> dict:
         """Stations (layer ranges, addresses, health, KV), and the engine's queues and waves."""
-        import ray
-
         stations = []
         for i, spec in enumerate(self.specs):
             d = self._links[spec].describe()
@@ -208,9 +198,6 @@ class Cluster:
 
     # ---- internals -------------------------------------------------------------------------------
     def _launch(self, specs: tuple[StationSpec, ...]) -> None:
-        from station.actor import create_station, station_address
-        from station.probe import ProbeConfig
-
         cc = self.config.cluster
         probe = ProbeConfig(period_s=cc.health_period_s, hang_s=cc.call_timeout_s)
         started = time.monotonic()
@@ -228,11 +215,9 @@ class Cluster:
                           f"({time.monotonic() - started:.1f}s)")
 
     def _link(self, address: str):
-        from orchestrator.remote import RemoteLink
-
         return RemoteLink(address, timeout_s=self.config.cluster.call_timeout_s, token=self.token, tls=self.tls)
 
-    def _retire(self, spec: StationSpec, stop_station) -> None:
+    def _retire(self, spec: StationSpec) -> None:
         link = self._links.pop(spec, None)
         if link is not None:
             link.close()

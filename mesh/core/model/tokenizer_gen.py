@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from mesh.config import SUPPORTED_ARCHS
+from mesh.core.config import SUPPORTED_ARCHS
 
 PAD, BOS, EOS, IM_START, IM_END = "<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, IM_START, IM_END)  # ids 0..4

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mesh.config import ModelConfig, RopeScaling
+from mesh.core.config import ModelConfig, RopeScaling
 
 
 class AttentionContext(Protocol):
@@ -67,7 +67,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose matmul kernel is chosen from outside (mesh.model.kernels); F.linear by default."""
+    """nn.Linear whose matmul kernel is chosen from outside (mesh.core.model.kernels); F.linear by default."""
 
     kernel = None  # Callable[[x, weight, bias], out] | None
 

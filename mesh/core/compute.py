@@ -18,7 +18,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
-from mesh.allocator import keep_large_blocks
+from mesh.core.allocator import keep_large_blocks
 
 _T = TypeVar("_T")
 

@@ -20,8 +20,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-from mesh.cluster import MeshConfig
-from mesh.config import ConfigError
+from mesh.control.cluster import Cluster
+from mesh.control.cluster_yaml import MeshConfig
+from mesh.core.config import ConfigError
+from orchestrator.api import create_app
+from orchestrator.metrics import MetricsRegistry
+from orchestrator.openai_schema import ApiError
 
 
 def chat_template(model_dir: Path) -> str:
@@ -80,10 +84,6 @@ def write_targets(cluster, config: MeshConfig) -> None:
 def build_app(cluster, config: MeshConfig):
     """The API over a started cluster, with the admin routes that scale it (and rewrite the targets file)."""
     from fastapi import Body
-
-    from orchestrator.api import create_app
-    from orchestrator.metrics import MetricsRegistry
-    from orchestrator.openai_schema import ApiError
 
     name = config.api.model_name or cluster.model_dir.name
     metrics = MetricsRegistry(cluster.engine.stats)
@@ -170,8 +170,6 @@ def serve(config: MeshConfig, model_dir: Path) -> int:
     import uvicorn
     from tokenizers import Tokenizer
 
-    from mesh.launch import Cluster
-
     DrainingServer = _draining_server_class()
     cluster = Cluster(config, model_dir)
     cluster.start(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
@@ -202,7 +200,7 @@ def detach(argv: list[str], url: str, cache: Path, timeout_s: float = 300.0) -> 
     cache.mkdir(parents=True, exist_ok=True)
     log = cache / "mesh-up.log"
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mesh.cli", "up", *argv], stdout=out, stderr=out,
+        proc = subprocess.Popen([sys.executable, "-m", "mesh.control.cli", "up", *argv], stdout=out, stderr=out,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     state_file(cache).write_text(json.dumps({"pid": proc.pid, "url": url, "log": str(log)}))
     deadline = time.monotonic() + timeout_s

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mesh.config import ModelConfig
-from mesh.model.llama import LlamaRange
+from mesh.core.config import ModelConfig
+from mesh.core.model.llama import LlamaRange
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TIED_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"

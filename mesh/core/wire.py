@@ -16,9 +16,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from mesh.params import ParamError, SamplingParams
-from mesh.proto import station_pb2 as pb
-from mesh.wave import SampledToken, WaveEntry
+from mesh.core.params import ParamError, SamplingParams
+from mesh.core.proto import station_pb2 as pb
+from mesh.core.wave import SampledToken, WaveEntry
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -1,6 +1,6 @@
 """Mesh benchmark: the in-process engine vs 1, 2 and 3 stations over Ray + gRPC, at 1 and 16 concurrent requests.
 
-    python bench/mesh.py [--model DIR] [--configs inproc,1,2,3] [--concurrency 1,16] [--prompt 32] [--tokens 32]
+    python bench/chain.py [--model DIR] [--configs inproc,1,2,3] [--concurrency 1,16] [--prompt 32] [--tokens 32]
                          [--max-seqs 16] [--repeats 3] [--dtype float32] [--quick]
     mesh bench mesh ...  (same arguments)
 
@@ -30,20 +30,17 @@ import sys
 import time
 from pathlib import Path
 
-# Run as `python bench/mesh.py`, this file's folder leads sys.path and would shadow the `mesh` package (here and,
-# through Ray's driver path, in every station actor): take it off before importing anything of the project.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch
 
-from mesh.cli import resolve_model
-from mesh.hostinfo import cpu_seconds_by_role, describe_machine
-from mesh.cluster import MeshConfig, ModelSource
-from mesh.layer_plan import plan_layers, split_weights
-from mesh.config import ModelConfig, SchedulerConfig, StationSpec
-from mesh.params import SamplingParams
-from mesh.proto import station_pb2 as pb
-from mesh.wire import encode_forward, samples_to_proto, tensor_to_proto
+from mesh.control.cli import resolve_model
+from mesh.core.hostinfo import cpu_seconds_by_role, describe_machine
+from mesh.control.cluster_yaml import MeshConfig, ModelSource
+from mesh.control.layer_plan import plan_layers, split_weights
+from mesh.core.config import ModelConfig, SchedulerConfig, StationSpec
+from mesh.core.params import SamplingParams
+from mesh.core.proto import station_pb2 as pb
+from mesh.core.wire import encode_forward, samples_to_proto, tensor_to_proto
 from orchestrator.engine import Engine
 from orchestrator.pipeline import LocalLink
 from station.step import Station
@@ -204,7 +201,7 @@ def start_configs(args, model_dir: Path, cfg: ModelConfig, sched: SchedulerConfi
     if counts:
         import ray
 
-        from mesh.launch import Cluster
+        from mesh.control.cluster import Cluster
     if counts and not ray.is_initialized():
         need = sum((os.cpu_count() or 1) if c == 1 else c * max(1, (os.cpu_count() or 1) // c) for c in counts)
         ray.init(num_cpus=max(16, need + 2), include_dashboard=False, namespace="wavemesh-bench",

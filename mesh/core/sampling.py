@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from mesh.params import SamplingParams
-from mesh.wave import SampledToken
+from mesh.core.params import SamplingParams
+from mesh.core.wave import SampledToken
 
 _MASK64 = (1 << 64) - 1
 

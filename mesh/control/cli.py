@@ -11,8 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from mesh.config import ConfigError
-from mesh.params import ParamError, SamplingParams, sampling_from_json
+from mesh.core.config import ConfigError
+from mesh.core.params import ParamError, SamplingParams, sampling_from_json
 
 
 def _cache_dir() -> Path:
@@ -23,10 +23,10 @@ def resolve_model(path: str | None, preset: str = "tiny") -> Path:
     """A checkpoint directory: the one given, or the built-in synthetic model."""
     if path:
         return Path(path)
-    from mesh.compute import on_compute_thread
-    from mesh.model.synthetic import builtin_model
+    from mesh.core.compute import on_compute_thread
+    from mesh.core.model.synthetic import builtin_model
 
-    return on_compute_thread(builtin_model, _cache_dir(), preset)  # torch work stays on one thread (mesh.compute)
+    return on_compute_thread(builtin_model, _cache_dir(), preset)  # torch work stays on one thread (mesh.core.compute)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -38,7 +38,7 @@ def _parse_ids(text: str) -> list[int]:
 
 def cmd_init_model(args: argparse.Namespace) -> int:
     """Write a synthetic HF checkpoint."""
-    from mesh.model.synthetic import init_model
+    from mesh.core.model.synthetic import init_model
 
     out = init_model(args.out, args.preset, args.arch, seed=args.seed, shards=args.shards)
     print(f"wrote {args.preset} {args.arch} checkpoint to {out}")
@@ -67,7 +67,7 @@ def _read_requests(path: str, tok) -> list[tuple[list[int], SamplingParams]]:
 
 
 def _generate_many(model_dir: Path, cfg, tok, args: argparse.Namespace) -> int:
-    from mesh.config import SchedulerConfig, StationSpec
+    from mesh.core.config import SchedulerConfig, StationSpec
     from orchestrator.engine import Engine
     from orchestrator.pipeline import LocalLink
     from station.step import Station
@@ -92,7 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Run one prompt on an in-process full-model station, or a JSONL file of requests through the engine."""
     from tokenizers import Tokenizer
 
-    from mesh.config import ModelConfig, StationSpec
+    from mesh.core.config import ModelConfig, StationSpec
     from station.generate import generate_one
     from station.step import Station
 
@@ -115,7 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _load_config(path: str | None):
-    from mesh.cluster import default_mesh_config, load_mesh_config
+    from mesh.control.cluster_yaml import default_mesh_config, load_mesh_config
 
     return load_mesh_config(path) if path else default_mesh_config()
 
@@ -123,7 +123,7 @@ def _load_config(path: str | None):
 def _model_dir_of(config) -> Path:
     if config.model.path is not None:
         return Path(config.model.path)
-    from mesh.model.synthetic import builtin_model
+    from mesh.core.model.synthetic import builtin_model
 
     return builtin_model(_cache_dir(), config.model.preset, config.model.arch)
 
@@ -132,7 +132,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Start a cluster from a YAML (or the embedded default) and serve until SIGINT/SIGTERM."""
     from dataclasses import replace
 
-    from mesh import up
+    from mesh.control import up
 
     config = _load_config(args.config)  # every mistake is refused here, before anything starts
     if args.port is not None:
@@ -145,7 +145,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     """Stop a cluster started with `mesh up --detach`."""
-    from mesh import up
+    from mesh.control import up
 
     return up.down(_cache_dir().parent)
 
@@ -209,11 +209,15 @@ def cmd_add_station(args: argparse.Namespace) -> int:
     return 0
 
 
+# `mesh bench NAME` runs bench/FILE.py; a name that is a package here (mesh) has a file named otherwise
+BENCH_FILES = {"mesh": "chain"}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run a benchmark from bench/ by name."""
     import runpy
 
-    script = Path(__file__).resolve().parent.parent / "bench" / f"{args.name}.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / f"{BENCH_FILES.get(args.name, args.name)}.py"
     if not script.is_file():
         print(f"mesh bench: no benchmark named {args.name!r} ({script} missing)", file=sys.stderr)
         return 2

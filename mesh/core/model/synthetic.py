@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from mesh.config import ModelConfig, RopeScaling
-from mesh.model.llama import LlamaRange
+from mesh.core.config import ModelConfig, RopeScaling
+from mesh.core.model.llama import LlamaRange
+from mesh.core.model.tokenizer_gen import write_tokenizer
 
 PRESETS = {
     # name: (hidden, layers, heads, kv_heads, ffn, vocab, context)
@@ -75,8 +76,6 @@ def random_state(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int = 0, shards: int = 1) -> Path:
     """Write a complete HF checkpoint directory for `cfg` (weights, config, tokenizer)."""
-    from mesh.model.tokenizer_gen import write_tokenizer
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = random_state(cfg, seed)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from mesh.proto import station_pb2 as wavemesh_dot_v1_dot_station__pb2
+from mesh.core.proto import station_pb2 as wavemesh_dot_v1_dot_station__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mesh.params import SamplingParams
+from mesh.core.params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
