@@ -17,22 +17,13 @@ from typing import Callable, Protocol
 
 import torch
 
-from mesh.core.wave import SampledToken, WaveEntry
+from mesh.core.wave import SampledToken, StationOutput, WaveEntry
 
 
 class StationDown(RuntimeError):
     """A station could not serve a wave: dead, hung past its deadline, or the call was lost.
 
     The wave's effect at the stations is unknown, so the engine rebuilds the route's KV by replay."""
-
-
-@dataclass(frozen=True, slots=True)
-class LinkOutput:
-    """What one station returned for a wave: hidden rows, or the last station's samples."""
-
-    hidden: torch.Tensor | None
-    samples: list[SampledToken | None] | None
-    seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +40,7 @@ class StationLink(Protocol):
     """One station as the pipeline sees it: in-process or over gRPC."""
 
     def forward(self, wave_id: int, entries: tuple[WaveEntry, ...], token_ids: list[int] | None,
-                hidden: torch.Tensor | None) -> LinkOutput:
+                hidden: torch.Tensor | None) -> StationOutput:
         """Run one wave through the station."""
         ...
 
@@ -68,11 +59,10 @@ class LocalLink:
     def __init__(self, station) -> None:
         self.station = station
 
-    def forward(self, wave_id, entries, token_ids, hidden) -> LinkOutput:
+    def forward(self, wave_id, entries, token_ids, hidden) -> StationOutput:
         """Run the wave on the in-process station."""
         ids = torch.tensor(token_ids, dtype=torch.long) if token_ids is not None else None
-        out = self.station.forward(entries, token_ids=ids, hidden=hidden)
-        return LinkOutput(out.hidden, out.samples, out.seconds)
+        return self.station.forward(entries, token_ids=ids, hidden=hidden)
 
     def release(self, seq_ids) -> None:
         """Free KV on the in-process station."""

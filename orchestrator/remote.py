@@ -4,8 +4,9 @@ from __future__ import annotations
 import grpc
 
 from mesh.core.transport import StationTls
+from mesh.core.wave import StationOutput
 from mesh.core.wire import WireError
-from orchestrator.pipeline import LinkKV, LinkOutput, StationDown
+from orchestrator.pipeline import LinkKV, StationDown
 from station.client import StationCallError, StationClient
 
 # a wave refused for what it is (a bug upstream), not for the station's state: replay would not help
@@ -24,17 +25,16 @@ class RemoteLink:
         self.address = address
         self._info = info
 
-    def forward(self, wave_id, entries, token_ids, hidden) -> LinkOutput:
+    def forward(self, wave_id, entries, token_ids, hidden) -> StationOutput:
         """Run the wave on the remote station; raises StationDown when the station failed the call."""
         try:
-            out = self.client.forward(wave_id, entries, token_ids=token_ids, hidden=hidden)
+            return self.client.forward(wave_id, entries, token_ids=token_ids, hidden=hidden)
         except StationCallError as e:
             if e.code in _WAVE_ERRORS:
                 raise
             raise StationDown(f"station {self.address}: {e}") from e
         except WireError as e:
             raise StationDown(f"station {self.address} sent a malformed reply: {e}") from e
-        return LinkOutput(out.hidden, out.samples, out.forward_seconds)
 
     def release(self, seq_ids) -> None:
         """Free KV on the remote station."""

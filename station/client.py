@@ -12,7 +12,6 @@ for `tls.server_name` signed by `tls.ca`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import grpc
 import torch
@@ -21,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mesh.core.transport import StationTls, bearer_metadata
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
-from mesh.core.wave import SampledToken, WaveEntry, wave_rows
+from mesh.core.wave import StationOutput, WaveEntry, wave_rows
 from mesh.core.wire import WireError, encode_forward, proto_to_samples, proto_to_tensor
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
@@ -35,15 +34,6 @@ class StationCallError(RuntimeError):
         self.method = method
         self.code = code
         self.details = details
-
-
-@dataclass(frozen=True, slots=True)
-class ForwardResult:
-    """A station's answer to one wave: hidden rows [T, d] for the next station, or one sample per entry."""
-
-    hidden: torch.Tensor | None
-    samples: list[SampledToken | None] | None
-    forward_seconds: float  # the station's own compute time for the wave
 
 
 class StationClient:
@@ -84,7 +74,7 @@ class StationClient:
             raise StationCallError(method, grpc.StatusCode.CANCELLED, str(err)) from None
 
     def forward(self, wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequence[int] | torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None) -> ForwardResult:
+                hidden: torch.Tensor | None = None) -> StationOutput:
         """Run one wave on the station: token ids [T] to the first station, hidden [T, d] to the others."""
         request = encode_forward(wave_id, entries, token_ids, hidden)
         reply = self._call("Forward", self._stub.Forward, request)
@@ -92,10 +82,10 @@ class StationClient:
         if result == "hidden":
             rows = wave_rows(tuple(entries))
             out = proto_to_tensor(reply.hidden, expect_shape=(rows, self.hidden_size), field="hidden")  # [T, d]
-            return ForwardResult(out, None, reply.forward_seconds)
+            return StationOutput(out, None, reply.forward_seconds)
         if result == "samples":
             samples = proto_to_samples(reply.samples, n_entries=len(entries), vocab_size=self.vocab_size)
-            return ForwardResult(None, samples, reply.forward_seconds)
+            return StationOutput(None, samples, reply.forward_seconds)
         raise WireError("result: the reply carries neither hidden rows nor samples")
 
     def release(self, seq_ids: Sequence[int]) -> int:

@@ -20,7 +20,7 @@ from mesh.core.config import ModelConfig, StationSpec
 from mesh.core.model.kernels import use_linear_backend
 from mesh.core.model.loader import TORCH_DTYPES, load_range
 from mesh.core.sampling import sample_tokens
-from mesh.core.wave import SampledToken, WaveEntry, wave_rows
+from mesh.core.wave import StationOutput, WaveEntry, wave_rows
 from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats
 
 
@@ -29,16 +29,6 @@ PROBE_SEQ_ID = 2**64  # one past the wire's largest seq_id (uint64): no client s
 
 class StepError(ValueError):
     """A wave is malformed: the message names the entry and field."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutput:
-    """Hidden rows [T, d] for the next station, or (last station) one sample per entry (None if not asked)."""
-
-    hidden: torch.Tensor | None = None
-    samples: list[SampledToken | None] | None = None
-    seconds: float = 0.0
-    logits: torch.Tensor | None = None  # [R, V] float32 of the sampled rows, only when asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +158,7 @@ class Station:
         return self.model.is_last
 
     def forward(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None, want_logits: bool = False) -> StepOutput:
+                hidden: torch.Tensor | None = None, want_logits: bool = False) -> StationOutput:
         """Advance every entry of the wave by its rows; raises StepError on a malformed wave, KVBudgetError when full.
 
         The first station takes token_ids [T], later ones hidden [T, d]. The last station samples one token
@@ -177,7 +167,7 @@ class Station:
         return on_compute_thread(self._forward, entries, token_ids, hidden, want_logits)
 
     def _forward(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor | None, hidden: torch.Tensor | None,
-                 want_logits: bool) -> StepOutput:
+                 want_logits: bool) -> StationOutput:
         t0 = time.perf_counter()
         x = self._validate(entries, token_ids, hidden)
         before = {e.seq_id: self.kv.length(e.seq_id) for e in entries}
@@ -193,7 +183,7 @@ class Station:
         self._forwards += 1
         self._rows += x.shape[0]
         self._seconds["decode" if all(e.n_tokens == 1 for e in entries) else "prefill"] += seconds
-        return StepOutput(out[0], out[1], seconds, out[2])
+        return StationOutput(out[0], out[1], seconds, out[2])
 
     def _compute(self, entries: tuple[WaveEntry, ...], x: torch.Tensor, want_logits: bool):
         positions = torch.cat([torch.arange(e.start_pos, e.end_pos) for e in entries]).to(self.device)  # [T]

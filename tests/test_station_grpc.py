@@ -67,7 +67,7 @@ def _generate(clients: list[StationClient], prompt: list[int], seq_id: int, step
             res = clients[0].forward(wave, (entry,), token_ids=tokens[pos:])
             for c in clients[1:]:
                 res = c.forward(wave, (entry,), hidden=res.hidden)
-            assert res.forward_seconds > 0
+            assert res.seconds > 0
             pos = len(tokens)
             tokens.append(res.samples[0].token_id)
             out.append(tokens[-1])

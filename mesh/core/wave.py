@@ -1,13 +1,18 @@
-"""The unit of work: a ragged wave of entries, and what the last station returns.
+"""The unit of work: a ragged wave of entries, and what a station returns for it.
 
-No torch here: the scheduler builds waves and reads sampled tokens without it.
+No torch at run time: the scheduler builds waves and reads sampled tokens without it
+(`torch` is imported for type checking only; tensors are StationOutput's, station side).
 Hidden rows travel beside a wave as a tensor (station side) or raw bytes (wire).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mesh.core.params import SamplingParams
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,3 +50,14 @@ class SampledToken:
 def wave_rows(entries: tuple[WaveEntry, ...] | list[WaveEntry]) -> int:
     """Total rows (T) of a wave."""
     return sum(e.n_tokens for e in entries)
+
+
+@dataclass(frozen=True, slots=True)
+class StationOutput:
+    """What one station returns for a wave, in process or over gRPC: hidden rows for the next
+    station, or (last station) one sample per entry, None where the entry asked for no token."""
+
+    hidden: Tensor | None  # [T, d] rows for the next station; None from the last station
+    samples: list[SampledToken | None] | None  # one per entry, from the last station only
+    seconds: float  # the station's own compute time for the wave
+    logits: Tensor | None = None  # [R, V] float32 of the sampled rows, only when asked (in process)
