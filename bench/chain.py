@@ -89,6 +89,7 @@ class MeteredLink:
 
     def __init__(self, inner, remote: bool) -> None:
         self.inner, self.remote = inner, remote
+        self.address = inner.address
         self.reset()
 
     def reset(self) -> None:
@@ -120,9 +121,17 @@ class MeteredLink:
         """The wrapped link's KV figures."""
         return self.inner.kv()
 
+    def health(self) -> bool:
+        """The wrapped link's health."""
+        return self.inner.health()
+
     def describe(self) -> dict:
         """The wrapped link's description."""
         return self.inner.describe()
+
+    def close(self) -> None:
+        """Close the wrapped link."""
+        self.inner.close()
 
     def wire_bytes(self) -> dict[str, int]:
         """Protobuf bytes of what this link sent and received (0 in-process); call after the timed run."""

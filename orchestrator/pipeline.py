@@ -1,14 +1,16 @@
 """Drives waves through the chain of stations, several waves in flight.
 
-Each station has a worker thread and an inbox. A wave enters station 0's inbox,
-and each worker hands its output (hidden rows) to the next station's inbox, so
-with P stations up to P waves are computed at once, one per station. Releases
-go into every inbox in order, so a release queued before a wave is applied
-before that wave at every station. The last station's samples (or any failure)
-go to the `on_done` callback.
+Each station has a worker thread and an inbox of typed messages (RunWave, Release,
+Barrier, Stop). A wave enters station 0's inbox, and each worker hands its output
+(hidden rows) to the next station's inbox, so with P stations up to P waves are
+computed at once, one per station. Releases go into every inbox in order, so a
+release queued before a wave is applied before that wave at every station; a
+release a station fails is counted (`failed_releases`) and logged, and the worker
+goes on. The last station's samples (or any failure) go to the `on_done` callback.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -18,6 +20,9 @@ from typing import Callable, Protocol
 import torch
 
 from mesh.core.wave import SampledToken, StationOutput, WaveEntry
+from orchestrator.scheduler_types import WavePlan
+
+log = logging.getLogger(__name__)
 
 
 class StationDown(RuntimeError):
@@ -37,7 +42,9 @@ class LinkKV:
 
 
 class StationLink(Protocol):
-    """One station as the pipeline sees it: in-process or over gRPC."""
+    """One station as the orchestrator and the control plane see it: in-process or over gRPC."""
+
+    address: str  # where the station serves ("host:port", or "in-process")
 
     def forward(self, wave_id: int, entries: tuple[WaveEntry, ...], token_ids: list[int] | None,
                 hidden: torch.Tensor | None) -> StationOutput:
@@ -52,16 +59,31 @@ class StationLink(Protocol):
         """KV geometry and occupancy."""
         ...
 
+    def health(self) -> bool:
+        """True while the station can serve waves."""
+        ...
+
+    def describe(self) -> dict:
+        """Layer range, device, dtype, address, health and KV use, for status pages."""
+        ...
+
+    def close(self) -> None:
+        """Let go of the station; later calls fail."""
+        ...
+
 
 class LocalLink:
     """A Station object in this process."""
 
+    address = "in-process"
+
     def __init__(self, station) -> None:
         self.station = station
+        self._closed = False
 
     def forward(self, wave_id, entries, token_ids, hidden) -> StationOutput:
         """Run the wave on the in-process station."""
-        ids = torch.tensor(token_ids, dtype=torch.long) if token_ids is not None else None
+        ids = torch.tensor(token_ids, dtype=torch.long) if token_ids is not None else None  # [T]
         return self.station.forward(entries, token_ids=ids, hidden=hidden)
 
     def release(self, seq_ids) -> None:
@@ -73,13 +95,52 @@ class LocalLink:
         s = self.station.kv.stats()
         return LinkKV(s.blocks_total, s.block_tokens, s.bytes_used, s.bytes_total)
 
+    def health(self) -> bool:
+        """An in-process station serves as long as this process does, until the link is closed."""
+        return not self._closed
+
     def describe(self) -> dict:
-        """Layer range, device and dtype, for status pages."""
-        spec = self.station.spec
-        return {"layers": list(spec.layers), "device": spec.device, "dtype": spec.dtype, "address": "in-process"}
+        """Layer range, device, dtype, health and KV use, for status pages."""
+        spec, kv = self.station.spec, self.station.kv.stats()
+        return {"layers": list(spec.layers), "device": spec.device, "dtype": spec.dtype, "address": self.address,
+                "healthy": self.health(), "kv_bytes_used": kv.bytes_used, "kv_bytes_total": kv.bytes_total,
+                "sequences": kv.sequences}
+
+    def close(self) -> None:
+        """Mark the link closed (the Station object itself belongs to whoever built it)."""
+        self._closed = True
 
 
-WaveDone = Callable[[object, "list[SampledToken | None] | None", "BaseException | None"], None]
+# ---- the workers' inbox messages -----------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RunWave:
+    """Run `plan` at this station; `hidden` [T, d] is the previous station's output (None at station 0)."""
+
+    plan: WavePlan
+    hidden: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Free these sequences' KV at this station."""
+
+    seq_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Barrier:
+    """Set `done` once everything queued before it at this station has been worked through."""
+
+    done: threading.Event
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """End the worker (after what is queued before it)."""
+
+
+InboxMessage = RunWave | Release | Barrier | Stop
+WaveDone = Callable[[WavePlan, "list[SampledToken | None] | None", "BaseException | None"], None]
 
 
 class Pipeline:
@@ -90,8 +151,9 @@ class Pipeline:
             raise ValueError("a pipeline needs at least one station")
         self.links = links
         self.on_done = on_done
-        self._inboxes = [queue.Queue() for _ in links]
+        self._inboxes: list[queue.Queue[InboxMessage]] = [queue.Queue() for _ in links]
         self.busy_seconds = [0.0] * len(links)
+        self.failed_releases = [0] * len(links)  # per station: releases that raised (the KV may linger there)
         self._threads = [threading.Thread(target=self._work, args=(i,), name=f"station-{i}", daemon=True)
                          for i in range(len(links))]
         for t in self._threads:
@@ -102,53 +164,65 @@ class Pipeline:
         """How many waves can usefully be in flight (one per station)."""
         return len(self.links)
 
-    def submit(self, plan) -> None:
+    def submit(self, plan: WavePlan) -> None:
         """Send a WavePlan (entries + token ids) into station 0."""
-        self._inboxes[0].put(("wave", plan, None))
+        self._inboxes[0].put(RunWave(plan))
 
     def release(self, seq_ids: tuple[int, ...]) -> None:
         """Free these sequences at every station, after the waves already queued there."""
         if seq_ids:
+            message = Release(tuple(seq_ids))
             for box in self._inboxes:
-                box.put(("release", tuple(seq_ids), None))
+                box.put(message)
 
     def barrier(self, timeout: float = 30.0) -> bool:
         """Wait until every station has worked through what is queued now; False on timeout."""
         flags = [threading.Event() for _ in self._inboxes]
         for box, flag in zip(self._inboxes, flags):
-            box.put(("barrier", flag, None))
+            box.put(Barrier(flag))
         deadline = time.monotonic() + timeout
         return all(f.wait(max(0.0, deadline - time.monotonic())) for f in flags)
 
     def close(self) -> None:
         """Stop the workers (after what is queued)."""
         for box in self._inboxes:
-            box.put(None)
+            box.put(Stop())
         for t in self._threads:
             t.join(timeout=30)
 
     def _work(self, i: int) -> None:
-        link, last = self.links[i], i == len(self.links) - 1
-        while (item := self._inboxes[i].get()) is not None:
-            kind, plan, hidden = item
-            if kind == "barrier":
-                plan.set()
-                continue
-            if kind == "release":
-                try:
-                    link.release(plan)
-                except Exception:  # a station that cannot release has lost the KV anyway
-                    pass
-                continue
-            t0 = time.perf_counter()
-            try:
-                out = link.forward(plan.wave_id, plan.entries, list(plan.token_ids) if i == 0 else None, hidden)
-            except BaseException as e:  # noqa: BLE001 - reported to the engine, which ends the wave
-                self.on_done(plan, None, e)
-                continue
-            finally:
-                self.busy_seconds[i] += time.perf_counter() - t0
-            if last:
-                self.on_done(plan, out.samples, None)
-            else:
-                self._inboxes[i + 1].put(("wave", plan, out.hidden))
+        while True:
+            match self._inboxes[i].get():
+                case Stop():
+                    return
+                case Barrier(done=done):
+                    done.set()
+                case Release(seq_ids=seq_ids):
+                    self._release(i, seq_ids)
+                case RunWave(plan=plan, hidden=hidden):
+                    self._run_wave(i, plan, hidden)
+                case other:  # a bug upstream: say so, and keep serving what is well-formed
+                    log.error("station %d: unexpected inbox message %s ignored", i, type(other).__name__)
+
+    def _release(self, i: int, seq_ids: tuple[int, ...]) -> None:
+        try:
+            self.links[i].release(seq_ids)
+        except Exception as e:  # noqa: BLE001 - the worker goes on; the station may keep that KV
+            self.failed_releases[i] += 1
+            log.warning("station %d (%s): release of %d sequence(s) failed: %s: %s", i, self.links[i].address,
+                        len(seq_ids), type(e).__name__, e)
+
+    def _run_wave(self, i: int, plan: WavePlan, hidden: torch.Tensor | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            out = self.links[i].forward(plan.wave_id, plan.entries, list(plan.token_ids) if i == 0 else None,
+                                        hidden)
+        except BaseException as e:  # noqa: BLE001 - reported to the engine, which ends the wave
+            self.on_done(plan, None, e)
+            return
+        finally:
+            self.busy_seconds[i] += time.perf_counter() - t0
+        if i == len(self.links) - 1:
+            self.on_done(plan, out.samples, None)
+        else:
+            self._inboxes[i + 1].put(RunWave(plan, out.hidden))

@@ -1,4 +1,4 @@
-"""A station behind gRPC, as the pipeline sees it."""
+"""A station behind gRPC, as the pipeline and the control plane see it."""
 from __future__ import annotations
 
 import grpc
@@ -48,6 +48,10 @@ class RemoteLink:
             pass
         info = self._info
         return LinkKV(info.kv_blocks_total, info.block_tokens, info.kv_bytes_used, info.kv_bytes_total)
+
+    def health(self) -> bool:
+        """True when the station's gRPC health says SERVING (its forward-path probe passes) within the deadline."""
+        return self.client.health()
 
     def describe(self) -> dict:
         """Layer range, device, dtype, address, health and KV use (one Info and one health call)."""

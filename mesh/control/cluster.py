@@ -143,7 +143,7 @@ class Cluster:
         with self._scale_lock:
             for spec in self.specs:
                 link, handle = self._links[spec], self._actors[spec]
-                if link.client.health():
+                if link.health():
                     continue  # answering: a lost call, not a lost station
                 try:
                     address = station_address(handle, timeout_s=min(5.0, timeout))
@@ -176,7 +176,7 @@ class Cluster:
                 links = [self._links[s] for s in self.specs]
             finally:
                 self._scale_lock.release()
-            sick = next((link for link in links if not link.client.health()), None)
+            sick = next((link for link in links if not link.health()), None)
             if sick is not None and not self._stopping.is_set() and sick in self._links.values():  # not retired since
                 self.progress(f"station at {sick.address} fails its health check: recovering the route")
                 self.engine.recover_route()
