@@ -56,7 +56,7 @@ class StationLink(Protocol):
         ...
 
     def kv(self) -> LinkKV:
-        """KV geometry and occupancy."""
+        """KV geometry and occupancy (no call to the station)."""
         ...
 
     def health(self) -> bool:

@@ -22,6 +22,7 @@ class RemoteLink:
         self.client = StationClient(address, timeout_s, max_message_bytes, token=token, tls=tls)
         info = self.client.info()
         self.client.hidden_size, self.client.vocab_size = info.hidden_size, info.vocab_size
+        self.client.kv_blocks_total, self.client.kv_bytes_total = info.kv_blocks_total, info.kv_bytes_total
         self.address = address
         self._info = info
 
@@ -41,13 +42,11 @@ class RemoteLink:
         self.client.release(list(seq_ids))
 
     def kv(self) -> LinkKV:
-        """KV geometry (fixed at start) and the current occupancy (one Info call; the last known when down)."""
-        try:
-            self._info = self.client.info()
-        except StationCallError:
-            pass
-        info = self._info
-        return LinkKV(info.kv_blocks_total, info.block_tokens, info.kv_bytes_used, info.kv_bytes_total)
+        """KV geometry (fixed at start) and the occupancy the station reported with its last Forward or
+        Release reply (the Info figures before any): no call to the station, so a /metrics scrape costs none."""
+        info, usage = self._info, self.client.kv_usage
+        used = info.kv_bytes_used if usage is None else usage.bytes_used
+        return LinkKV(info.kv_blocks_total, info.block_tokens, used, info.kv_bytes_total)
 
     def health(self) -> bool:
         """True when the station's gRPC health says SERVING (its forward-path probe passes) within the deadline."""

@@ -8,9 +8,13 @@ wire functions before anything is returned; a malformed reply raises WireError.
 With `token`, every call (health included) carries `authorization: Bearer <token>`;
 with `tls`, the channel is mutual TLS and the station must present a certificate
 for `tls.server_name` signed by `tls.ca`.
+
+Every Forward and Release reply carries the station's KV occupancy after the call;
+the client keeps the newest report (`kv_usage`), so KV figures need no Info call.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import grpc
@@ -20,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mesh.core.transport import StationTls, bearer_metadata
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
-from mesh.core.wave import StationOutput, WaveEntry, wave_rows
+from mesh.core.wave import KVUsage, StationOutput, WaveEntry, wave_rows
 from mesh.core.wire import WireError, encode_forward, proto_to_samples, proto_to_tensor
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
@@ -41,8 +45,10 @@ class StationClient:
 
     def __init__(self, address: str, timeout_s: float = 30.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  *, hidden_size: int | None = None, vocab_size: int | None = None, token: str | None = None,
-                 tls: StationTls | None = None) -> None:
-        """`hidden_size` / `vocab_size`, when given, are checked on every reply (shape, token ids).
+                 tls: StationTls | None = None, kv_blocks_total: int | None = None,
+                 kv_bytes_total: int | None = None) -> None:
+        """`hidden_size` / `vocab_size` / `kv_blocks_total` / `kv_bytes_total`, when given, are checked on
+        every reply (shape, token ids, KV occupancy).
 
         `token`: the cluster token sent on every call; `tls`: this side's certificate, key and the CA.
         """
@@ -52,6 +58,10 @@ class StationClient:
         self.timeout_s = timeout_s
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
+        self.kv_blocks_total = kv_blocks_total
+        self.kv_bytes_total = kv_bytes_total
+        self._kv_usage: KVUsage | None = None
+        self._kv_lock = threading.Lock()
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
         self._metadata = bearer_metadata(token)
@@ -82,15 +92,39 @@ class StationClient:
         if result == "hidden":
             rows = wave_rows(tuple(entries))
             out = proto_to_tensor(reply.hidden, expect_shape=(rows, self.hidden_size), field="hidden")  # [T, d]
-            return StationOutput(out, None, reply.forward_seconds)
-        if result == "samples":
+            output = StationOutput(out, None, reply.forward_seconds)
+        elif result == "samples":
             samples = proto_to_samples(reply.samples, n_entries=len(entries), vocab_size=self.vocab_size)
-            return StationOutput(None, samples, reply.forward_seconds)
-        raise WireError("result: the reply carries neither hidden rows nor samples")
+            output = StationOutput(None, samples, reply.forward_seconds)
+        else:
+            raise WireError("result: the reply carries neither hidden rows nor samples")
+        self._note_kv(reply)
+        return output
 
     def release(self, seq_ids: Sequence[int]) -> int:
         """Free these sequences' KV on the station; returns how many were resident."""
-        return self._call("Release", self._stub.Release, pb.ReleaseRequest(seq_ids=list(seq_ids))).released
+        reply = self._call("Release", self._stub.Release, pb.ReleaseRequest(seq_ids=list(seq_ids)))
+        self._note_kv(reply)
+        return reply.released
+
+    @property
+    def kv_usage(self) -> KVUsage | None:
+        """The newest KV occupancy the station reported with a Forward or Release reply (None before any)."""
+        return self._kv_usage
+
+    def _note_kv(self, reply: pb.ForwardReply | pb.ReleaseReply) -> None:
+        """Validate the reply's `kv` field and keep it when it is newer than the last report."""
+        if not reply.HasField("kv"):
+            raise WireError("kv: the reply carries no KV occupancy")
+        kv = reply.kv
+        for name, value, limit in (("bytes_used", kv.bytes_used, self.kv_bytes_total),
+                                   ("blocks_used", kv.blocks_used, self.kv_blocks_total)):
+            if limit is not None and value > limit:
+                raise WireError(f"kv.{name}: {value} exceeds the station's total of {limit}")
+        usage = KVUsage(kv.bytes_used, kv.blocks_used, kv.sequences, kv.changes)
+        with self._kv_lock:
+            if self._kv_usage is None or usage.changes > self._kv_usage.changes:
+                self._kv_usage = usage
 
     def info(self) -> pb.InfoReply:
         """The station's layer range, shape, dtype and KV occupancy."""

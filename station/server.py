@@ -196,10 +196,11 @@ class StationServicer(station_pb2_grpc.StationServicer):
             _, entries, token_ids, hidden = decode_forward(
                 request, hidden_size=st.config.hidden_size, dtype=st.spec.dtype, vocab_size=st.config.vocab_size,
                 max_entries=self.limits.max_entries, max_rows=self.limits.max_rows)
-            out = self._exclusive(lambda: st.forward(entries, token_ids=token_ids, hidden=hidden))
+            out, kv = self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, hidden=hidden),
+                                               kv_usage_proto(st)))
             if out.hidden is not None:
-                return pb.ForwardReply(hidden=tensor_to_proto(out.hidden), forward_seconds=out.seconds)
-            return pb.ForwardReply(samples=samples_to_proto(out.samples or []), forward_seconds=out.seconds)
+                return pb.ForwardReply(hidden=tensor_to_proto(out.hidden), forward_seconds=out.seconds, kv=kv)
+            return pb.ForwardReply(samples=samples_to_proto(out.samples or []), forward_seconds=out.seconds, kv=kv)
 
         self._count_wire("in", request.ByteSize())
         reply = self._guarded(context, "Forward", run)
@@ -211,14 +212,25 @@ class StationServicer(station_pb2_grpc.StationServicer):
             self.wire_bytes[direction] += nbytes
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
-        """Free the KV of the listed sequences; replies with how many were resident."""
+        """Free the KV of the listed sequences; replies with how many were resident and the KV left."""
         seq_ids = list(request.seq_ids)
-        return self._guarded(context, "Release",
-                             lambda: pb.ReleaseReply(released=self._exclusive(lambda: self.station.release(seq_ids))))
+
+        def run() -> pb.ReleaseReply:
+            released, kv = self._exclusive(lambda: (self.station.release(seq_ids), kv_usage_proto(self.station)))
+            return pb.ReleaseReply(released=released, kv=kv)
+
+        return self._guarded(context, "Release", run)
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
         """What the station holds and how full its KV is (lock-free: answers during a forward)."""
         return self._guarded(context, "Info", lambda: info_reply(self.station, self.metrics_address))
+
+
+def kv_usage_proto(station: Station) -> pb.KVUsage:
+    """The station's KV occupancy as sent with every Forward and Release reply (read under the station lock)."""
+    kv = station.kv_usage()
+    return pb.KVUsage(bytes_used=kv.bytes_used, blocks_used=kv.blocks_used, sequences=kv.sequences,
+                      changes=kv.changes)
 
 
 def info_reply(station: Station, metrics_address: str = "") -> pb.InfoReply:

@@ -20,7 +20,7 @@ from mesh.core.config import ModelConfig, StationSpec
 from mesh.core.model.kernels import use_linear_backend
 from mesh.core.model.loader import TORCH_DTYPES, load_range
 from mesh.core.sampling import sample_tokens
-from mesh.core.wave import StationOutput, WaveEntry, wave_rows
+from mesh.core.wave import KVUsage, StationOutput, WaveEntry, wave_rows
 from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats
 
 
@@ -138,6 +138,7 @@ class Station:
         self.dtype = TORCH_DTYPES[spec.dtype]
         on_compute_thread(self._load, block_tokens)
         self._forwards = self._rows = 0
+        self._kv_changes = 0  # forwards and releases applied: orders the KV reports (KVUsage.changes)
         self._seconds = {"prefill": 0.0, "decode": 0.0}
 
     def _load(self, block_tokens: int) -> None:
@@ -181,6 +182,7 @@ class Station:
             raise
         seconds = time.perf_counter() - t0
         self._forwards += 1
+        self._kv_changes += 1
         self._rows += x.shape[0]
         self._seconds["decode" if all(e.n_tokens == 1 for e in entries) else "prefill"] += seconds
         return StationOutput(out[0], out[1], seconds, out[2])
@@ -258,7 +260,17 @@ class Station:
 
     def release(self, seq_ids: list[int] | tuple[int, ...]) -> int:
         """Free the KV of these sequences; returns how many were resident."""
-        return on_compute_thread(lambda: sum(self.kv.release(s) for s in seq_ids))
+        return on_compute_thread(self._release, seq_ids)
+
+    def _release(self, seq_ids: list[int] | tuple[int, ...]) -> int:
+        released = sum(self.kv.release(s) for s in seq_ids)
+        self._kv_changes += 1
+        return released
+
+    def kv_usage(self) -> KVUsage:
+        """KV occupancy now, numbered by the forwards and releases applied so far (sent with every reply)."""
+        s = self.kv.stats()
+        return KVUsage(s.bytes_used, s.blocks_used, s.sequences, self._kv_changes)
 
     def stats(self) -> StationStats:
         """Counters and KV occupancy."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -12,7 +13,7 @@ from mesh.core.params import SamplingParams
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
 from mesh.core.wave import WaveEntry
-from mesh.core.wire import encode_forward, tensor_to_proto
+from mesh.core.wire import WireError, encode_forward, tensor_to_proto
 from station.client import StationCallError, StationClient
 from station.generate import generate_one
 from station.server import ServerLimits, start_server
@@ -171,6 +172,45 @@ def test_info_reports_layers_and_kv(split):
     finally:
         assert clients[0].release([20, 21]) == 1
     assert clients[0].info().kv_bytes_used == 0
+
+
+def test_replies_carry_the_kv_occupancy_and_the_newest_report_wins(split):
+    _, clients = split
+    info = clients[0].info()
+    clients[0].forward(0, (WaveEntry(30, 0, 20),), token_ids=list(range(20)))
+    try:
+        after_forward = clients[0].kv_usage
+        assert (after_forward.bytes_used, after_forward.blocks_used, after_forward.sequences) == (
+            clients[0].info().kv_bytes_used, 2, 1)
+        assert after_forward.bytes_used == 2 * (info.kv_bytes_total // info.kv_blocks_total)
+    finally:
+        assert clients[0].release([30]) == 1
+    after_release = clients[0].kv_usage
+    assert (after_release.bytes_used, after_release.sequences) == (0, 0)
+    assert after_release.changes == after_forward.changes + 1
+    late = pb.ForwardReply(kv=pb.KVUsage(bytes_used=after_forward.bytes_used, blocks_used=2, sequences=1,
+                                         changes=after_forward.changes))
+    clients[0]._note_kv(late)  # an older report arriving last (another thread's reply) does not win
+    assert clients[0].kv_usage == after_release
+
+
+def test_a_reply_with_impossible_kv_figures_is_malformed(full, monkeypatch):
+    server, _ = full
+    with StationClient(server.address, timeout_s=30) as probe:
+        info = probe.info()
+    client = StationClient(server.address, timeout_s=30, hidden_size=HIDDEN, vocab_size=512,
+                           kv_blocks_total=info.kv_blocks_total, kv_bytes_total=info.kv_bytes_total)
+    station = server.servicer.station
+    real = station.kv_usage()
+    try:
+        monkeypatch.setattr(station, "kv_usage", lambda: replace(real, bytes_used=info.kv_bytes_total + 1))
+        with pytest.raises(WireError, match=r"^kv\.bytes_used: "):
+            client.forward(0, (WaveEntry(31, 0, 3, GREEDY),), token_ids=[1, 2, 3])
+        monkeypatch.undo()
+        assert client.release([31]) == 1  # the station applied the wave; the client refused the reply
+        assert client.kv_usage.bytes_used == 0
+    finally:
+        client.close()
 
 
 def test_health_is_serving_and_goes_down_on_stop(tiny_llama):

@@ -61,3 +61,22 @@ class StationOutput:
     samples: list[SampledToken | None] | None  # one per entry, from the last station only
     seconds: float  # the station's own compute time for the wave
     logits: Tensor | None = None  # [R, V] float32 of the sampled rows, only when asked (in process)
+
+
+@dataclass(frozen=True, slots=True)
+class KVUsage:
+    """A station's KV occupancy as it reports it after a Forward or a Release.
+
+    `changes` counts the forwards and releases the station has applied, so of two reports
+    the one with more changes is the newer, whichever reply arrived last."""
+
+    bytes_used: int
+    blocks_used: int
+    sequences: int
+    changes: int
+
+    def __post_init__(self) -> None:
+        for name in ("bytes_used", "blocks_used", "sequences", "changes"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")

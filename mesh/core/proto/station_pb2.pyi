@@ -86,15 +86,29 @@ class Samples(_message.Message):
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
+class KVUsage(_message.Message):
+    __slots__ = ("bytes_used", "blocks_used", "sequences", "changes")
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    bytes_used: int
+    blocks_used: int
+    sequences: int
+    changes: int
+    def __init__(self, bytes_used: _Optional[int] = ..., blocks_used: _Optional[int] = ..., sequences: _Optional[int] = ..., changes: _Optional[int] = ...) -> None: ...
+
 class ForwardReply(_message.Message):
-    __slots__ = ("hidden", "samples", "forward_seconds")
+    __slots__ = ("hidden", "samples", "forward_seconds", "kv")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     samples: Samples
     forward_seconds: float
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., samples: _Optional[_Union[Samples, _Mapping]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    kv: KVUsage
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., samples: _Optional[_Union[Samples, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("seq_ids",)
@@ -103,10 +117,12 @@ class ReleaseRequest(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
-    __slots__ = ("released",)
+    __slots__ = ("released", "kv")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     released: int
-    def __init__(self, released: _Optional[int] = ...) -> None: ...
+    kv: KVUsage
+    def __init__(self, released: _Optional[int] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
