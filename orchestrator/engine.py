@@ -4,7 +4,9 @@ One wave-loop thread owns the scheduler's plan/commit cycle; submit() and
 cancel() take the same lock from any thread, so admission errors are raised to
 the caller at once. The loop keeps up to `pipeline.depth` (one per station)
 plus `scheduler.extra_waves` waves in flight, splitting running sequences into
-groups so each station works on a different wave.
+groups so each station works on a different wave. Every route decision (admit?
+plan? switch, recover, drain, close) is the RouteMachine's (orchestrator/route.py);
+it shares the engine's condition, on which the idle waits wait.
 """
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ from typing import Callable
 from mesh.core.config import ModelConfig, SchedulerConfig
 from mesh.core.params import SamplingParams
 from orchestrator.pipeline import Pipeline, StationDown, StationLink
+from orchestrator.route import RouteMachine, route_limits
 from orchestrator.scheduler_types import EngineStats
-from orchestrator.scheduler import AdmissionError, KVLimits, Scheduler, WavePlan
+from orchestrator.scheduler import AdmissionError, Scheduler, WavePlan
 from orchestrator.stream import CompletionOutput, RequestStream, StreamEvent, TextTracker, TokenLogprob
 
 __all__ = ["AdmissionError", "Engine", "EngineStats"]
@@ -50,9 +53,10 @@ class Engine:
         `recover(links) -> links` brings a route whose station went down back (restarting it); without
         it a station failure ends the requests of the failed wave."""
         self.model, self.config, self.tokenizer = model, config, tokenizer
-        self.scheduler = Scheduler(config, self._limits(links), model.eos_token_ids)
-        self.pipeline = Pipeline(links, self._on_wave_done)
-        self._lock = threading.Lock()
+        self.scheduler = Scheduler(config, route_limits(links, model.max_position_embeddings), model.eos_token_ids)
+        self.pipeline = Pipeline(links, self._on_wave_done)  # replaced by _swap: read it under the lock
+        self._lock = threading.Condition(threading.RLock())  # the route machine takes it inside our holds
+        self.route = RouteMachine(self._lock)
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}
         self._seq_owner: dict[int, tuple[str, int]] = {}
@@ -60,31 +64,17 @@ class Engine:
         self._in_flight = 0
         self._rates: deque = deque()
         self._rate_window = rate_window_s
-        self._closed = self._paused = self._draining = False
         self.on_wave = on_wave
         self._recover, self._recover_retry_s = recover, recover_retry_s
-        self._recovering = False
-        self.route_error: str | None = None  # why the route is down, while it cannot be rebuilt
         self.recovery_seconds: list[float] = []  # how long each recovery took
         self._sent: dict[int, float] = {}  # wave id -> when it entered the pipeline
         self._thread = threading.Thread(target=self._run, name="wave-loop", daemon=True)
         self._thread.start()
 
-    def _limits(self, links: list[StationLink]) -> KVLimits:
-        geometry = [link.kv() for link in links]
-        if len({g.block_tokens for g in geometry}) != 1:
-            raise ValueError(f"stations disagree on KV block size: {[g.block_tokens for g in geometry]}")
-        blocks = min(g.blocks_total for g in geometry)
-        return KVLimits(self.model.max_position_embeddings, blocks, geometry[0].block_tokens)
-
     # ---- caller side -------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, n: int = 1,
                request_id: str | None = None) -> RequestStream:
         """Queue a request of `n` choices; raises AdmissionError (400 never fits / 503 queue full)."""
-        if self._closed or self._draining:
-            raise AdmissionError("shutting_down", 503, "the server is shutting down; retry elsewhere or later")
-        if self.route_error is not None:
-            raise AdmissionError("route_down", 503, f"a station is down and not back yet ({self.route_error})")
         request_id = request_id or uuid.uuid4().hex
         try:
             loop = asyncio.get_running_loop()
@@ -92,6 +82,7 @@ class Engine:
             loop = None
         stream = RequestStream(request_id, n, loop)
         with self._lock:
+            self.route.check_admission()  # 503 shutting_down / route_down
             if request_id in self._live:
                 raise AdmissionError("invalid", 400, f"request_id {request_id!r} is already running", "request_id")
             live = _Live(stream, [TextTracker(self.tokenizer, params.stop) for _ in range(n)], [], set())
@@ -126,6 +117,7 @@ class Engine:
             self._release(self.scheduler.cancel(request_id))
             for seq_id in sorted(live.open):
                 live.stream.push(StreamEvent(self._seq_owner.pop(seq_id)[1], finish_reason="cancelled"))
+            self._lock.notify_all()
         self._inbox.put(_WAKE)
         return True
 
@@ -136,8 +128,9 @@ class Engine:
             in_flight = self._in_flight
             now = time.monotonic()
             old = self._rates[0] if self._rates else (now, s.prefill_tokens, s.decode_tokens)
+            links, route_error, recovery = self.pipeline.links, self.route.error, tuple(self.recovery_seconds)
         span = max(now - old[0], 1e-9)
-        kv = [link.kv() for link in self.pipeline.links]
+        kv = [link.kv() for link in links]
         return EngineStats(
             running=s.running, waiting=s.waiting, waves_in_flight=in_flight, waves=s.waves,
             wave_occupancy_last=s.last_wave_tokens / self.config.max_wave_tokens,
@@ -147,36 +140,29 @@ class Engine:
             decode_tokens_per_s=(s.decode_tokens - old[2]) / span if self._rates else 0.0,
             kv_bytes_used=sum(k.bytes_used for k in kv), kv_bytes_total=sum(k.bytes_total for k in kv),
             preemptions=s.preemptions, refusals=dict(s.refusals), finished=dict(s.finished),
-            recovery_seconds=tuple(self.recovery_seconds), route_error=self.route_error)
+            recovery_seconds=recovery, route_error=route_error)
 
     def switch_route(self, links: list[StationLink], timeout: float = 120.0) -> None:
         """Move serving onto a new chain of stations between waves. Waves in flight finish on the old
         route; then every live sequence is re-prefilled on the new one (counter-based sampling keeps
         its tokens unchanged) and the old stations release their KV. Streams only pause."""
-        with self._lock:
-            self._paused = True
+        self.route.begin_switch()  # raises IllegalTransition when closed or already switching
         try:
             if not self._wait_idle(timeout):
                 raise TimeoutError(f"waves still in flight after {timeout}s; route not switched")
             self._swap(links)
         finally:
-            with self._lock:
-                self._paused = self._recovering
+            self.route.end_switch()
             self._inbox.put(_WAKE)
 
-    def _wait_idle(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                if self._in_flight == 0:
-                    return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.002)
+    def _wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no wave is in flight (None: no limit); False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._in_flight == 0, timeout)
 
     def _swap(self, links: list[StationLink]) -> None:
         """With no wave in flight and planning paused: requeue every live sequence for re-prefill on `links`."""
-        limits = self._limits(links)
+        limits = route_limits(links, self.model.max_position_embeddings)
         with self._lock:
             old = self.pipeline
             released = self.scheduler.rebase(limits)
@@ -187,65 +173,67 @@ class Engine:
 
     def recover_route(self) -> None:
         """A station failed its health check: rebuild the route now (as after a failed call), when recovery is on."""
-        with self._lock:
-            if self._recover is not None and not self._closed:
-                self._begin_recovery()
-
-    def _begin_recovery(self) -> None:
-        """Under the lock: stop planning and rebuild the route in the background."""
-        if not self._recovering:
-            self._recovering = self._paused = True
+        if self._recover is not None and self.route.begin_recovery():  # not when closed or already recovering
             threading.Thread(target=self._recovery, name="route-recovery", daemon=True).start()
 
     def _recovery(self) -> None:
         t0 = time.monotonic()
-        self._wait_idle(float("inf"))
-        while not self._closed:
+        with self._lock:
+            self._lock.wait_for(lambda: self._in_flight == 0 or self.route.closed)
+        while True:
+            with self._lock:
+                if self.route.closed:
+                    break
+                links = list(self.pipeline.links)
             try:
-                links = self._recover(list(self.pipeline.links))
-                self._swap(links)
+                self._swap(self._recover(links))
                 break
             except Exception as e:  # noqa: BLE001 - the station is not back: end what needed it, keep trying
                 with self._lock:
-                    if self.route_error is None:
-                        self.route_error = f"{type(e).__name__}: {e}"
+                    if self.route.fail_recovery(f"{type(e).__name__}: {e}"):
                         for seq_id in list(self._seq_owner):
                             self._end(seq_id, "error", f"a station was lost and did not come back: {e}")
-                time.sleep(self._recover_retry_s)
+                    self._lock.wait_for(lambda: self.route.closed, self._recover_retry_s)
         with self._lock:
-            self._recovering = self._paused = False
-            self.route_error = None
+            self.route.end_recovery()
             self.recovery_seconds.append(time.monotonic() - t0)
         self._inbox.put(_WAKE)
 
     def stop_admitting(self) -> None:
         """Drain: refuse new requests (503) from now on; those already admitted run to their end."""
-        self._draining = True
+        self.route.drain()
 
     def idle(self) -> bool:
         """True when no request is live (queued or running)."""
         with self._lock:
             return not self._live
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no request is live (queued or running); False if some still are after `timeout` s."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._live, timeout)
+
     def quiesce(self, timeout: float = 30.0) -> bool:
         """Wait until no wave is in flight and every queued release has reached the stations."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                idle = self._in_flight == 0
-            if idle:
-                return self.pipeline.barrier(max(0.0, deadline - time.monotonic()))
-            time.sleep(0.005)
-        return False
+        if not self._wait_idle(timeout):
+            return False
+        with self._lock:
+            pipeline = self.pipeline
+        return pipeline.barrier(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Stop the wave loop and the station workers; live requests end as cancelled."""
-        self._closed = True
-        for request_id in list(self._live):
+        with self._lock:
+            self.route.close()
+            request_ids = list(self._live)
+        for request_id in request_ids:
             self.cancel(request_id)
         self._inbox.put(_STOP)
         self._thread.join(timeout=30)
-        self.pipeline.close()
+        with self._lock:
+            pipeline = self.pipeline
+        pipeline.close()
 
     # ---- wave loop ---------------------------------------------------------------------------
     def _on_wave_done(self, plan: WavePlan, samples, error: BaseException | None) -> None:
@@ -257,11 +245,12 @@ class Engine:
                 if item is not _WAKE:
                     self._in_flight -= 1
                     self._finish_wave(*item)
+                    self._lock.notify_all()  # idle waits: a wave came back, requests may have ended
                 self._fill()
 
     def _fill(self) -> None:
         depth = self.pipeline.depth + self.config.extra_waves
-        while self._in_flight < depth and not self._paused:
+        while self._in_flight < depth and not self.route.paused:
             cap = None
             if depth > 1:
                 cap = max(1, math.ceil(min(self.scheduler.live(), self.config.max_seqs) / depth))
@@ -284,7 +273,7 @@ class Engine:
             self.scheduler.abort_wave(plan)
             self._release(self.scheduler.take_releases())
             if isinstance(error, StationDown) and self._recover is not None:
-                self._begin_recovery()  # its sequences stay live and are replayed on the rebuilt route
+                self.recover_route()  # its sequences stay live and are replayed on the rebuilt route
                 return
             for e in plan.entries:
                 self._end(e.seq_id, "error", f"station failed: {error}")
@@ -328,6 +317,7 @@ class Engine:
         live.open.discard(seq_id)
         if not live.open:
             del self._live[request_id]
+            self._lock.notify_all()
 
     def _release(self, seq_ids) -> None:
         if seq_ids:

@@ -157,9 +157,7 @@ def _draining_server_class():
             threading.Thread(target=self._drain_then_exit, args=(sig, frame), daemon=True).start()
 
         def _drain_then_exit(self, sig, frame) -> None:
-            deadline = time.monotonic() + self.drain_s
-            while time.monotonic() < deadline and not self.engine.idle():
-                time.sleep(0.05)
+            self.engine.wait_idle(self.drain_s)  # woken when the last admitted request ends
             super().handle_exit(sig, frame)
 
     return DrainingServer
