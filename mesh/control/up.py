@@ -22,7 +22,8 @@ from pathlib import Path
 
 from mesh.control.cluster import Cluster
 from mesh.control.cluster_yaml import MeshConfig
-from mesh.core.config import ConfigError
+from mesh.core.config import ConfigError, is_int
+from mesh.core.transport import host_port
 from orchestrator.api import create_app
 from orchestrator.metrics import MetricsRegistry
 from orchestrator.openai_schema import ApiError
@@ -51,8 +52,7 @@ def _advertised(host: str) -> str:
 def file_sd_targets(config: MeshConfig, status: dict) -> list[dict]:
     """Prometheus file_sd groups: the orchestrator's /metrics and every station's metrics endpoint."""
     host = _advertised(config.api.host)
-    api = f"[{host}]:{config.api.port}" if ":" in host else f"{host}:{config.api.port}"
-    groups = [{"targets": [api], "labels": {"job": "wavemesh-orchestrator"}}]
+    groups = [{"targets": [host_port(host, config.api.port)], "labels": {"job": "wavemesh-orchestrator"}}]
     for st in status.get("stations", []):
         if st.get("metrics_address"):
             a, b = st["layers"]
@@ -107,7 +107,7 @@ def build_app(cluster, config: MeshConfig):
     def scale(body: dict = Body(...)) -> dict:
         """Re-plan the model over `stations` stations and move serving onto them."""
         count = body.get("stations") if isinstance(body, dict) else None
-        if not isinstance(count, int) or isinstance(count, bool):
+        if not is_int(count):
             raise ApiError(400, "stations: expected an integer", "stations")
         try:
             specs = cluster.scale(count)
@@ -178,7 +178,7 @@ def serve(config: MeshConfig, model_dir: Path) -> int:
         server = DrainingServer(uvicorn.Config(app, host=config.api.host, port=config.api.port, log_level="warning",
                                                timeout_graceful_shutdown=config.cluster.shutdown_timeout_s),
                                 cluster.engine, config.cluster.shutdown_timeout_s)
-        print(f"wavemesh serving {model_dir.name} on http://{config.api.host}:{config.api.port} "
+        print(f"wavemesh serving {model_dir.name} on http://{host_port(config.api.host, config.api.port)} "
               f"with {len(cluster.specs)} station(s)", file=sys.stderr, flush=True)
         try:
             server.run()  # SIGINT/SIGTERM: stop accepting, let open requests finish (graceful timeout)
