@@ -8,6 +8,7 @@ orchestrator and every station's metrics endpoint, rewritten after each growth.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -140,11 +141,29 @@ def _draining_server_class():
 
     class DrainingServer(uvicorn.Server):
         """On the first SIGINT/SIGTERM: refuse new requests with 503, let admitted ones finish (up to
-        `drain_s`), then stop; a second signal stops at once."""
+        `drain_s`), then stop; a second signal stops at once. Either way `run()` then returns normally."""
 
         def __init__(self, config, engine, drain_s: float) -> None:
             super().__init__(config)
             self.engine, self.drain_s, self._draining = engine, drain_s, False
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """SIGINT/SIGTERM go to handle_exit while serving; the previous handlers come back afterwards.
+
+            uvicorn's own version raises each caught signal again once the server has stopped, which turns
+            a drained Ctrl-C into a KeyboardInterrupt traceback (and SIGTERM into Ray's SystemExit): the
+            signal has been handled by the drain, so here it is not raised again.
+            """
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
         def handle_exit(self, sig, frame) -> None:
             if self._draining:
@@ -180,10 +199,7 @@ def serve(config: MeshConfig, model_dir: Path) -> int:
                                 cluster.engine, config.cluster.shutdown_timeout_s)
         print(f"wavemesh serving {model_dir.name} on http://{host_port(config.api.host, config.api.port)} "
               f"with {len(cluster.specs)} station(s)", file=sys.stderr, flush=True)
-        try:
-            server.run()  # SIGINT/SIGTERM: stop accepting, let open requests finish (graceful timeout)
-        except SystemExit:
-            pass  # uvicorn re-raises the captured signal on exit, and Ray's handler turns it into SystemExit
+        server.run()  # returns after SIGINT/SIGTERM and the drain (a failed start raises SystemExit(1))
     finally:
         cluster.stop()
         print("wavemesh stopped: every station actor ended", file=sys.stderr, flush=True)
