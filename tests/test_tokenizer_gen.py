@@ -226,8 +226,9 @@ def test_chat_template(hf_tok):
 
 def test_byte_alphabet_is_the_byte_level_one():
     """One table serves the writer and the API's logprob bytes: it is the `tokenizers` ByteLevel alphabet."""
-    from mesh.core.model.byte_level import char_bytes
     from tokenizers import pre_tokenizers
+
+    from mesh.core.model.byte_level import char_bytes
 
     chars = byte_chars()
     assert len(set(chars)) == 256 and set(chars) == set(pre_tokenizers.ByteLevel.alphabet())
