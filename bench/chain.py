@@ -37,7 +37,7 @@ from mesh.control.cli import resolve_model
 from mesh.core.hostinfo import cpu_seconds_by_role, describe_machine
 from mesh.control.cluster_yaml import MeshConfig, ModelSource
 from mesh.control.layer_plan import plan_layers, split_weights
-from mesh.core.config import ModelConfig, SchedulerConfig, StationSpec
+from mesh.core.config import SUPPORTED_DTYPES, ModelConfig, SchedulerConfig, StationSpec
 from mesh.core.params import SamplingParams
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.wire import encode_forward, samples_to_proto, tensor_to_proto
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extra-waves", type=int, default=0,
                    help="waves in flight beyond one per station (SchedulerConfig.extra_waves), every config")
     p.add_argument("--repeats", type=int, help="repeats of every point, median (default 3)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
     p.add_argument("--quick", action="store_true", help="defaults: tiny model, concurrency 1,4, 8 tokens, configs "
                    "inproc,1,2, 1 repeat (explicit flags still win)")
     a = p.parse_args(argv)

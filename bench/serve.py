@@ -32,7 +32,7 @@ import torch
 from mesh.control.cli import resolve_model
 from mesh.core.compute import on_compute_thread
 from mesh.core.hostinfo import bandwidth_gb_s, describe_machine
-from mesh.core.config import DTYPE_BYTES, ModelConfig, SchedulerConfig, StationSpec
+from mesh.core.config import DTYPE_BYTES, SUPPORTED_DTYPES, ModelConfig, SchedulerConfig, StationSpec
 from mesh.core.params import SamplingParams
 from orchestrator.engine import Engine
 from orchestrator.pipeline import LocalLink
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mixed-max-seqs", type=int, default=32)
     p.add_argument("--mixed-scale", type=float, default=1.0, help="scale prompt/output lengths of the mix")
     p.add_argument("--hf-batch", type=int, default=16, help="static batch size of the HF baseline")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
     p.add_argument("--threads", type=int, default=0, help="torch threads, both sides (0: default)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     p.add_argument("--no-detok", action="store_true", help="run the engine without a tokenizer (no detokenizing)")

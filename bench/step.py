@@ -27,7 +27,7 @@ import torch
 from mesh.control.cli import resolve_model
 from mesh.core.compute import on_compute_thread
 from mesh.core.hostinfo import bandwidth_gb_s, describe_machine
-from mesh.core.config import DTYPE_BYTES, ModelConfig, StationSpec
+from mesh.core.config import DTYPE_BYTES, SUPPORTED_DTYPES, ModelConfig, StationSpec
 from mesh.core.params import SamplingParams
 from mesh.core.wave import WaveEntry
 from station.kv import DEFAULT_BLOCK_TOKENS, blocks_for
@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=32, help="tokens generated per sequence (N >= 2)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
     p.add_argument("--linear-backend", default="auto", choices=["aten", "onednn", "auto"],
                    help="the station's matmul kernel (StationSpec.linear_backend)")
     p.add_argument("--device", default="cpu")

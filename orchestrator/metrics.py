@@ -4,6 +4,8 @@ MetricsRegistry is the orchestrator's: gauges and counters mapped from EngineSta
 time (a custom collector, so no Prometheus call lives in scheduling logic), per-request
 counters and histograms observed by the API layer from a RequestRecord when a request ends,
 and wave histograms fed by `observe_wave`. A station process's metrics are station/metrics.py's.
+Neither exposes a `_created` series: prometheus_client adds one per Counter and Histogram (a
+creation timestamp), so those live in an inner registry read through `_WithoutCreated`.
 """
 from __future__ import annotations
 
@@ -78,6 +80,21 @@ class _EngineCollector(Collector):
         yield rejected
 
 
+class _WithoutCreated(Collector):
+    """The families of `inner` without the `<name>_created` samples prometheus_client adds to Counters and
+    Histograms; local to this registry, where `disable_created_metrics()` would switch them off process-wide."""
+
+    def __init__(self, inner: CollectorRegistry) -> None:
+        self._inner = inner
+
+    def collect(self):
+        """The inner registry's families (fresh objects every scrape), less their `_created` samples."""
+        for family in self._inner.collect():
+            created = family.name + "_created"
+            family.samples = [s for s in family.samples if s.name != created]
+            yield family
+
+
 class MetricsRegistry:
     """The orchestrator's metrics: a private CollectorRegistry rendered by GET /metrics."""
 
@@ -87,7 +104,8 @@ class MetricsRegistry:
         self._lock = threading.Lock()
         self._api_refusals: dict[str, int] = {}
         self.registry.register(_EngineCollector(engine_stats, self._refusals_snapshot))
-        r = self.registry
+        r = CollectorRegistry(auto_describe=False)  # the instruments below, rendered through _WithoutCreated
+        self.registry.register(_WithoutCreated(r))
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of served requests.", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated for served requests.",
                                          registry=r)

@@ -6,6 +6,7 @@ import time
 from functools import lru_cache
 from typing import Any
 
+from mesh.core.model.byte_level import char_bytes
 from orchestrator.openai_schema import GenerationRequest
 from orchestrator.stream import CompletionOutput, StreamEvent, TokenLogprob
 
@@ -143,18 +144,6 @@ class ResponseFormatter:
         return {"id": prefix + request_id, "object": kind, "created": created, "model": self.model_name}
 
 
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """Printable char -> byte of the GPT-2 byte-level alphabet (what ByteLevel BPE pieces are spelled in)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
-    shifted = [b for b in range(256) if b not in keep]
-    table = {chr(b): b for b in keep}
-    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
-    return table
-
-
-_BYTE_DECODER = _gpt2_byte_decoder()
-
-
 def _piece_bytes(tokenizer, token_id: int) -> list[int] | None:
     """The raw bytes of a token piece: byte-level BPE (`Ġ`-spelled) or SentencePiece byte fallback (`<0xE2>`)."""
     to_piece = getattr(tokenizer, "id_to_token", None) or getattr(tokenizer, "convert_ids_to_tokens", None)
@@ -163,8 +152,9 @@ def _piece_bytes(tokenizer, token_id: int) -> list[int] | None:
         return None
     if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
         return [int(piece[3:5], 16)]
-    if all(c in _BYTE_DECODER for c in piece):
-        return [_BYTE_DECODER[c] for c in piece]
+    decode = char_bytes()
+    if all(c in decode for c in piece):
+        return [decode[c] for c in piece]
     return None
 
 

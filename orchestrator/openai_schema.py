@@ -14,7 +14,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from mesh.core.config import ModelConfig
+from mesh.core.config import ModelConfig, is_int
 from mesh.core.params import MAX_LOGPROBS, ParamError, SamplingParams
 
 # fields that would change the result if honoured; refused rather than silently ignored
@@ -63,17 +63,13 @@ def bad(param: str | None, message: str, code: str | None = "invalid_value") -> 
     return ApiError(400, f"{param}: {message}" if param else message, param, code)
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _opt_int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
     v = body.get(name)
     if v is None:
         return None
     if isinstance(v, float) and v.is_integer():
         v = int(v)
-    if not _is_int(v) or v < lo or (hi is not None and v > hi):
+    if not is_int(v) or v < lo or (hi is not None and v > hi):
         rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise bad(name, f"must be an integer {rng}, got {v!r}")
     return v
@@ -111,7 +107,7 @@ class RequestParser:
         elif isinstance(prompt, list):
             if not prompt:
                 raise bad("prompt", "is empty: at least one token is required")
-            if not all(_is_int(t) for t in prompt):
+            if not all(is_int(t) for t in prompt):
                 raise bad("prompt", "must be a string or a list of token ids (batched prompts are not supported)")
             ids = prompt
         else:
@@ -190,7 +186,7 @@ class RequestParser:
 
     def _check_ids(self, name: str, ids) -> None:
         for t in ids:
-            if not (_is_int(t) and 0 <= t < self.vocab_size):
+            if not (is_int(t) and 0 <= t < self.vocab_size):
                 raise bad(name, f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
 
     def _finish(self, body: dict, ids: list[int], chat: bool, top_logprobs: int | None,
@@ -221,7 +217,7 @@ class RequestParser:
             if name in ("temperature", "top_p") and isinstance(v, float) and not math.isfinite(v):
                 raise bad(name, f"must be a finite number, got {v!r}")
             kw[name] = v
-        if _is_int(kw.get("top_k")) and kw["top_k"] == -1:
+        if is_int(kw.get("top_k")) and kw["top_k"] == -1:
             kw["top_k"] = 0  # vLLM's spelling of "all tokens"
         stop = body.get("stop")
         if stop is not None:

@@ -1,8 +1,8 @@
 """Continuous-batching scheduler: admission, token and KV budgets, wave plans, retirement.
 
 Pure Python, no torch; tested with fake station outputs. Each plan() builds one ragged
-wave: 1-token entries of decoding sequences first, then prompt (or recompute) chunks
-within `max_wave_tokens`, then admissions from the waiting queue. Several waves may be
+wave (orchestrator.wave_builder): 1-token entries of decoding sequences first, then prompt (or
+recompute) chunks within `max_wave_tokens`, then admissions from the waiting queue. Several waves may be
 in flight; a sequence is in at most one. KV is counted in the stations' paged blocks.
 
 Where a sequence's station KV must be released:
@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from mesh.core.config import SchedulerConfig
 from mesh.core.params import SamplingParams
-from mesh.core.wave import SampledToken, WaveEntry
+from mesh.core.wave import SampledToken
 from orchestrator.scheduler_types import (REFUSAL_REASONS, AdmissionError, CommitResult, KVLimits, SchedulerStats,
                                TokenEvent, WavePlan)
 from orchestrator.sequence import KVBlockLedger, Request, Sequence, SequenceStatus, SequenceTable, WaitingQueue
+from orchestrator.wave_builder import WaveBuilder
 
 __all__ = ["REFUSAL_REASONS", "AdmissionError", "CommitResult", "KVLimits", "Scheduler", "SchedulerStats",
            "TokenEvent", "WavePlan"]
@@ -87,92 +88,21 @@ class Scheduler:
         cap = self.config.max_seqs if max_entries is None else max_entries
         if cap < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
-        budget = self.config.max_wave_tokens
-        entries: list[WaveEntry] = []
-        tokens: list[int] = []
-        planned: set[int] = set()
-        decode_rows = 0
-        preempted_before = self._preemptions
+        wave = WaveBuilder(self.config.max_wave_tokens, cap, self._ledger, self._seqs, self._preempt)
         ready = [s for s in self._seqs.running if s.in_flight_wave is None]
-
-        def put(seq: Sequence, n: int) -> None:
-            nonlocal budget
-            if seq.replay:
-                assert seq.replay.pop(0) == n, "a replayed entry must keep its original size"
-            end = seq.num_computed + n
-            entries.append(WaveEntry(seq.seq_id, seq.num_computed, n,
-                                     seq.params if end == seq.num_tokens else None))
-            tokens.extend(seq.token_slice(seq.num_computed, end))
-            planned.add(seq.seq_id)
-            budget -= n
-
-        decoding = sum(1 for s in ready if s.status is SequenceStatus.RUNNING and s.num_pending == 1)
-        for seq in ready:  # 0. a replayed chunk that would never fit beside the decodes goes first
-            if seq.status is SequenceStatus.RUNNING and seq.replay and budget - decoding < seq.replay[0] <= budget:
-                if self._fit_exact(seq, seq.replay[0], planned):
-                    put(seq, seq.replay[0])
-                break
-        for seq in ready:  # 1. decode: one token for each decoding sequence
-            if len(entries) >= cap or budget < 1:
-                break
-            if seq.status is SequenceStatus.RUNNING and seq.num_pending == 1 and self._fit(seq, 1, planned):
-                decode_rows += 1 if seq.output_ids else 0
-                put(seq, 1)
-        for seq in ready:  # 2. prompt / recompute chunks within the token budget
-            if len(entries) >= cap or budget < 1:
-                break
-            if seq.status is SequenceStatus.RUNNING and seq.seq_id not in planned and seq.num_pending > 1:
-                if seq.replay:
-                    if seq.replay[0] <= budget and self._fit_exact(seq, seq.replay[0], planned):
-                        put(seq, seq.replay[0])
-                    continue
-                n = self._fit(seq, min(seq.num_pending, budget), planned)
-                if n:
-                    put(seq, n)
-        if self._preemptions == preempted_before:  # 3. admission (not while KV is short)
-            while len(entries) < cap and budget >= 1 and len(self._seqs.running) < self.config.max_seqs:
-                seq = self._waiting.peek()
-                if seq is None:
-                    break
-                n = min(seq.next_chunk(budget), self._ledger.capacity(seq))
-                if n < 1 or n > budget or (seq.replay and n != seq.replay[0]):
-                    break
-                self._waiting.take(seq)
-                self._seqs.start_running(seq)
-                self._ledger.reserve(seq, seq.num_computed + n)
-                put(seq, n)
-        if not entries:
+        wave.add_oversized_replay(ready)
+        wave.add_decodes(ready)
+        wave.add_chunks(ready)
+        if not wave.preempted:  # no admission while KV is short
+            wave.add_admissions(self._waiting, self.config.max_seqs)
+        if not wave.entries:
             return None
-        plan = WavePlan(tuple(entries), tuple(tokens), self._next_wave_id)
+        plan = WavePlan(tuple(wave.entries), tuple(wave.tokens), self._next_wave_id)
         self._next_wave_id += 1
-        for entry in entries:
+        for entry in wave.entries:
             self._seqs[entry.seq_id].in_flight_wave = plan.wave_id
-        self._in_flight[plan.wave_id] = (plan, decode_rows)
+        self._in_flight[plan.wave_id] = (plan, wave.decode_rows)
         return plan
-
-    def _fit(self, seq: Sequence, want: int, planned: set[int]) -> int:
-        """Reserve KV for up to `want` more tokens of `seq`, preempting newer sequences if no block
-        is free; returns the tokens granted (0: skip it this wave)."""
-        while True:
-            room = self._ledger.capacity(seq)
-            if room >= 1:
-                n = min(want, room)
-                self._ledger.reserve(seq, seq.num_computed + n)
-                return n
-            victim = self._seqs.newest_victim(seq, planned)
-            if victim is None:
-                return 0
-            self._preempt(victim)
-
-    def _fit_exact(self, seq: Sequence, want: int, planned: set[int]) -> bool:
-        """Reserve KV for exactly `want` more tokens (preempting newer sequences if need be), or nothing."""
-        while self._ledger.capacity(seq) < want:
-            victim = self._seqs.newest_victim(seq, planned)
-            if victim is None:
-                return False
-            self._preempt(victim)
-        self._ledger.reserve(seq, seq.num_computed + want)
-        return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Drop `seq`'s KV and put it at the front of the waiting queue to be recomputed."""

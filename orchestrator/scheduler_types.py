@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mesh.core.config import is_int
 from mesh.core.wave import WaveEntry
 
 REFUSAL_REASONS = ("never_fits", "queue_full", "invalid")
@@ -30,7 +31,7 @@ class KVLimits:
     def __post_init__(self) -> None:
         for name in ("max_context", "kv_blocks", "block_tokens"):
             v = getattr(self, name)
-            if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            if not (is_int(v) and v > 0):
                 raise ValueError(f"KVLimits.{name} must be a positive integer, got {v!r}")
 
 

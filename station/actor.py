@@ -22,6 +22,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from mesh.core.compute import on_compute_thread
 from mesh.core.config import StationSpec
+from mesh.core.transport import host_port
 from station.metrics import StationMetrics
 from station.kv import DEFAULT_BLOCK_TOKENS
 from station.probe import ProbeConfig
@@ -29,10 +30,6 @@ from station.server import ServerLimits, info_reply, start_server
 from station.step import Station
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def spec_from(spec: StationSpec | Mapping[str, Any]) -> StationSpec:
@@ -61,11 +58,11 @@ class StationActor:
         advertised = ray.util.get_node_ip_address() if host in _WILDCARD_HOSTS else host
         # the metrics endpoint starts first, so that Info can name it; it reads the servicer's wire bytes late
         self._metrics_http = StationMetrics(self.station, wire=self._wire_bytes).serve(host, 0)
-        self._metrics_address = _host_port(advertised, self._metrics_http.server_port)
+        self._metrics_address = host_port(advertised, self._metrics_http.server_port)
         self.server = start_server(self.station, host=host, port=0, limits=limits or ServerLimits(),
                                    metrics_address=self._metrics_address, token=token, tls=tls,
                                    probe=probe)
-        self._address = _host_port(advertised, self.server.port)
+        self._address = host_port(advertised, self.server.port)
 
     def _wire_bytes(self) -> dict[str, int]:
         """Forward request / reply bytes counted by the gRPC servicer (zero before it starts)."""

@@ -35,10 +35,10 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mesh.core.config import DTYPE_BYTES, ConfigError
+from mesh.core.config import DTYPE_BYTES, ConfigError, is_int
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
-from mesh.core.transport import StationTls, check_token
+from mesh.core.transport import StationTls, check_token, host_port
 from mesh.core.wire import WireError, decode_forward, samples_to_proto, tensor_to_proto
 from station.kv import KVBudgetError
 from station.probe import HealthProbe, ProbeConfig
@@ -65,7 +65,7 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for name in ("max_entries", "max_rows", "max_workers", "max_pending"):
             v = getattr(self, name)
-            if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            if not (is_int(v) and v > 0):
                 raise ConfigError(f"server.{name} must be a positive integer, got {v!r}")
         if self.max_pending >= self.max_workers:
             raise ConfigError(f"server.max_pending ({self.max_pending}) must be below max_workers "
@@ -255,7 +255,7 @@ class StationServer:
         self._probe = probe
         self.servicer = servicer
         self.host, self.port = host, port
-        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.address = host_port(host, port)
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Report NOT_SERVING, finish in-flight calls for up to `grace` seconds, then stop."""
@@ -296,7 +296,7 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
     station_pb2_grpc.add_StationServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bind = host_port(host, port)
     try:
         if tls is None:
             bound = server.add_insecure_port(bind)

@@ -236,6 +236,7 @@ def test_queue_full_is_503_with_retry_after(tiny_llama):
 
 def _metrics(url) -> dict[tuple[str, tuple], float]:
     text = httpx.get(url + "/metrics", timeout=T).text
+    assert "_created" not in text  # no creation-timestamp series beside the counters and histograms
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 

@@ -158,9 +158,31 @@ def test_sigterm_drains_then_stops_every_station(tmp_path, env, tiny_llama):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-2000:]
+    assert "Traceback" not in out, out[-4000:]
     for pid in station_pids:  # no orphan station process
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_ctrl_c_drains_then_exits_0_without_a_traceback(tmp_path, env, tiny_llama):
+    """SIGINT (Ctrl-C) ends `mesh up` as SIGTERM does: the admitted request finishes, exit code 0, no traceback."""
+    proc, url = _mesh_up(tmp_path, env, tiny_llama, "cluster: {shutdown_timeout_s: 120}\n")
+    try:
+        long = {}
+        worker = threading.Thread(target=lambda: long.update(_post(url + "/v1/completions", {
+            "prompt": [1, 5, 9], "max_tokens": 300, "ignore_eos": True, "temperature": 0})))
+        worker.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        worker.join(timeout=300)
+        assert long["choices"][0]["finish_reason"] == "length" and long["usage"]["completion_tokens"] == 300
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert "wavemesh draining" in out and "wavemesh stopped" in out, out[-4000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
 
 
 def test_sigkill_of_the_orchestrator_leaves_no_station_running(tmp_path, env, tiny_llama):

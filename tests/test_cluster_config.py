@@ -284,6 +284,39 @@ def test_direct_construction_is_validated():
         MeshConfig(station_count=1, kv_bytes=0)
 
 
+@pytest.mark.parametrize("build, field", [
+    (lambda: SchedulerConfig(max_seqs=True), "scheduler.max_seqs"),
+    (lambda: SchedulerConfig(extra_waves=False), "scheduler.extra_waves"),
+    (lambda: StationSpec(layers=(False, 3)), "layers"),
+    (lambda: ClusterConfig(max_restarts=True), "cluster.max_restarts"),
+    (lambda: MeshConfig(station_count=True), "stations.count"),
+    (lambda: plan_layers(6, True), "stations.count"),
+    (lambda: dataclasses.replace(preset_config("tiny"), head_dim=True), "head_dim"),
+])
+def test_a_bool_is_not_an_integer(build, field):
+    """Every integer field refuses True/False (a bool is an int to Python), naming the field."""
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        build()
+
+
+def test_one_arch_list_and_one_dtype_table():
+    """The presets, the YAML schema, the CLI and config.json all read the same architectures and dtypes."""
+    from mesh.control.cli import build_parser
+    from mesh.core.config import ARCH_CLASSES, DTYPE_BYTES, SUPPORTED_ARCHS, SUPPORTED_DTYPES
+
+    assert SUPPORTED_ARCHS == tuple(ARCH_CLASSES) and SUPPORTED_DTYPES == tuple(DTYPE_BYTES)
+    for arch in SUPPORTED_ARCHS:
+        hf = preset_config("tiny", arch).to_hf()
+        assert hf["architectures"] == [ARCH_CLASSES[arch]] and ModelConfig.from_hf(hf).arch == arch
+        assert ModelSource(preset="tiny", arch=arch).arch == arch
+    parser = build_parser()
+    assert parser.parse_args(["init-model", "--arch", SUPPORTED_ARCHS[-1], "--out", "x"]).arch == SUPPORTED_ARCHS[-1]
+    last_dtype = SUPPORTED_DTYPES[-1]
+    assert parser.parse_args(["generate", "--prompt", "x", "--dtype", last_dtype]).dtype == last_dtype
+    with pytest.raises(SystemExit):
+        parser.parse_args(["init-model", "--arch", "gpt2", "--out", "x"])
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("count", [1, 2, 3, 4])
 def test_plan_layers_on_bench_covers_all_layers_with_balanced_bytes(arch, count):

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mesh.control.cluster_yaml import ClusterConfig, load_mesh_config
-from mesh.core.transport import StationTls
+from mesh.core.transport import StationTls, host_port
 from mesh.core.config import ConfigError, StationSpec
 from mesh.core.params import SamplingParams
 from mesh.core.proto import station_pb2_grpc
@@ -104,6 +104,14 @@ def test_unsendable_tokens_are_refused_early(station, bad):
         start_server(station, token=bad)
     with pytest.raises(ValueError):
         StationClient("127.0.0.1:1", token=bad)
+    with pytest.raises(ConfigError, match=r"^cluster\.token: "):  # the YAML refuses it by the same rule
+        ClusterConfig(token=bad)
+
+
+@pytest.mark.parametrize("host, address", [("127.0.0.1", "127.0.0.1:7"), ("station-3.local", "station-3.local:7"),
+                                           ("::1", "[::1]:7"), ("fe80::1%eth0", "[fe80::1%eth0]:7")])
+def test_host_port_brackets_ipv6(host, address):
+    assert host_port(host, 7) == address
 
 
 # ---- mutual TLS -----------------------------------------------------------------------------------

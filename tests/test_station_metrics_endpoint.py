@@ -18,6 +18,7 @@ from mesh.core.compute import on_compute_thread
 def _samples(address: str) -> dict[tuple[str, tuple], float]:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
         text = r.read().decode()
+    assert "_created" not in text  # no creation-timestamp series beside the counters
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 

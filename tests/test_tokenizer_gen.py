@@ -7,6 +7,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from mesh.core.model import tokenizer_gen as tg
+from mesh.core.model.byte_level import byte_chars
 from mesh.core.model.tokenizer_gen import build_tokenizer, write_tokenizer
 
 TEXTS = [
@@ -112,7 +113,7 @@ def test_write_is_byte_identical(tmp_path, hf_dir):
 
 def test_fallback_merges_fill_vocab_when_corpus_runs_out():
     vocab = {t: i for i, t in enumerate(tg.SPECIAL_TOKENS)}
-    for ch in tg._bytes_to_unicode():
+    for ch in byte_chars():
         vocab[ch] = len(vocab)
     merges = tg._learn_merges([("abc", 3), ("ab", 2)], vocab, 400)
     assert merges[:2] == [("a", "b"), ("ab", "c")]
@@ -123,7 +124,7 @@ def test_fallback_merges_fill_vocab_when_corpus_runs_out():
 
 def test_tie_break_is_lexicographic():
     vocab = {t: i for i, t in enumerate(tg.SPECIAL_TOKENS)}
-    for ch in tg._bytes_to_unicode():
+    for ch in byte_chars():
         vocab[ch] = len(vocab)
     merges = tg._learn_merges([("yz", 5), ("cd", 5), ("ab", 5), ("xx", 1)], vocab,
                               tg.MIN_VOCAB_SIZE + 4)
@@ -221,3 +222,18 @@ def test_chat_template(hf_tok):
     ids = hf_tok(text, add_special_tokens=False).input_ids
     assert ids.count(3) == 5 and ids.count(4) == 4
     assert hf_tok.decode(ids) == text
+
+
+def test_byte_alphabet_is_the_byte_level_one():
+    """One table serves the writer and the API's logprob bytes: it is the `tokenizers` ByteLevel alphabet."""
+    from tokenizers import pre_tokenizers
+
+    from mesh.core.model.byte_level import char_bytes
+
+    chars = byte_chars()
+    assert len(set(chars)) == 256 and set(chars) == set(pre_tokenizers.ByteLevel.alphabet())
+    assert chars[ord("A")] == "A" and chars[ord(" ")] == "Ġ" and chars[ord("\n")] == "Ċ"
+    assert [char_bytes()[c] for c in chars] == list(range(256))
+    for text in ("héllo wörld", " \t\n", "日本"):  # the pre-tokenizer spells every byte by this table
+        pieces = pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(text)
+        assert bytes(char_bytes()[c] for p, _ in pieces for c in p) == text.encode()

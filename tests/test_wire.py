@@ -49,6 +49,18 @@ def test_tensor_round_trip(dtype: str, shape: tuple[int, ...]) -> None:
     assert back.is_contiguous()
 
 
+def test_one_dtype_table_behind_config_loader_and_wire() -> None:
+    """The station dtypes are config's names, with config's byte sizes, in the loader and on the wire."""
+    from mesh.core.config import DTYPE_BYTES, SUPPORTED_DTYPES
+    from mesh.core.model.loader import TORCH_DTYPES
+
+    assert tuple(TORCH_DTYPES) == SUPPORTED_DTYPES
+    assert {name: dt.itemsize for name, dt in TORCH_DTYPES.items()} == DTYPE_BYTES
+    assert set(wire.DTYPES) == set(SUPPORTED_DTYPES) | {"int32", "int64"}
+    assert all(wire.DTYPES[name] is dt for name, dt in TORCH_DTYPES.items())
+    assert all(wire.dtype_itemsize(name) == size for name, size in DTYPE_BYTES.items())
+
+
 def test_tensor_non_contiguous_and_little_endian() -> None:
     t = torch.arange(12, dtype=torch.int32).reshape(3, 4).t()  # [4, 3], not contiguous
     msg = wire.tensor_to_proto(t)

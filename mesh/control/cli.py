@@ -11,8 +11,9 @@ import os
 import sys
 from pathlib import Path
 
-from mesh.core.config import ConfigError
+from mesh.core.config import SUPPORTED_ARCHS, SUPPORTED_DTYPES, ConfigError
 from mesh.core.params import ParamError, SamplingParams, sampling_from_json
+from mesh.core.transport import host_port
 
 
 def _cache_dir() -> Path:
@@ -139,7 +140,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         config = replace(config, api=replace(config.api, port=args.port))
     if args.detach:
         rest = [a for a in sys.argv[2:] if a != "--detach"]
-        return up.detach(rest, f"http://{config.api.host}:{config.api.port}", _cache_dir().parent)
+        return up.detach(rest, f"http://{host_port(config.api.host, config.api.port)}", _cache_dir().parent)
     return up.serve(config, _model_dir_of(config))
 
 
@@ -233,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     init = sub.add_parser("init-model", help="write a synthetic HF checkpoint with deterministic random weights")
     init.add_argument("--preset", default="tiny", choices=["tiny", "small", "bench"])
-    init.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2"])
+    init.add_argument("--arch", default="llama", choices=SUPPORTED_ARCHS)
     init.add_argument("--out", required=True)
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--shards", type=int, default=1, help="split the weights into N safetensors files")
@@ -252,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", default="cpu")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
     gen.add_argument("--json", action="store_true", help='print {"token_ids", "text", "finish_reason"} on one line')
     gen.set_defaults(func=cmd_generate)
 

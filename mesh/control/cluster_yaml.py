@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 
 from mesh.core.config import (SUPPORTED_ARCHS, SUPPORTED_DTYPES, ApiConfig, ConfigError, ModelConfig,
-                         SchedulerConfig, StationSpec, _require)
-from mesh.core.transport import StationTls
+                         SchedulerConfig, StationSpec, _require, is_int)
+from mesh.core.transport import StationTls, token_travels
 from mesh.control.layer_plan import BALANCES, plan_layers, split_weights
 
 DEFAULT_KV_BYTES = 256 * 2**20
@@ -106,14 +106,14 @@ class ClusterConfig:
                  f"cluster.restart_timeout_s: must be a number > 0, got {self.restart_timeout_s!r}")
         _require(_is_num(self.health_period_s) and self.health_period_s > 0,
                  f"cluster.health_period_s: must be a number > 0, got {self.health_period_s!r}")
-        _require(_is_int(self.max_restarts) and self.max_restarts >= 0,
+        _require(is_int(self.max_restarts) and self.max_restarts >= 0,
                  f"cluster.max_restarts: must be an integer >= 0, got {self.max_restarts!r}")
         _require(isinstance(self.station_host, str) and self.station_host != "", "cluster.station_host: empty")
         for name in ("token", "targets_file", "tls_cert", "tls_key", "tls_ca"):
             v = getattr(self, name)
             _require(v is None or (isinstance(v, str) and v != ""),
                      f"cluster.{name}: expected a non-empty string or null")
-        _require(self.token is None or (self.token.isascii() and self.token.isprintable()),
+        _require(self.token is None or token_travels(self.token),
                  "cluster.token: must be printable ASCII (it travels as gRPC metadata)")
         tls = {n: getattr(self, n) for n in ("tls_cert", "tls_key", "tls_ca")}
         given, missing = [n for n, v in tls.items() if v is not None], [n for n, v in tls.items() if v is None]
@@ -150,13 +150,13 @@ class MeshConfig:
                  f"dtype: expected one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         _require(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
                  f"device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
-        _require(_is_int(self.kv_bytes) and self.kv_bytes > 0, f"kv_bytes: must be > 0, got {self.kv_bytes!r}")
+        _require(is_int(self.kv_bytes) and self.kv_bytes > 0, f"kv_bytes: must be > 0, got {self.kv_bytes!r}")
         _require(self.balance in BALANCES, f"stations.balance: expected one of {', '.join(BALANCES)}, "
                  f"got {self.balance!r}")
         _require((self.stations is None) != (self.station_count is None),
                  "stations: give exactly one of explicit ranges or a count")
         if self.station_count is not None:
-            _require(_is_int(self.station_count) and self.station_count >= 1,
+            _require(is_int(self.station_count) and self.station_count >= 1,
                      f"stations.count: expected a positive integer, got {self.station_count!r}")
             return
         _require(isinstance(self.stations, tuple) and len(self.stations) > 0
@@ -179,7 +179,7 @@ class MeshConfig:
         split_weights(model, dtype, balance) when given a ModelConfig (evenly by layers when given an int).
         """
         num_layers = model.num_hidden_layers if isinstance(model, ModelConfig) else model
-        _require(_is_int(num_layers) and num_layers >= 1,
+        _require(is_int(num_layers) and num_layers >= 1,
                  f"num_layers: expected a positive integer, got {num_layers!r}")
         if self.station_count is not None:
             weights = split_weights(model, self.dtype, self.balance) if isinstance(model, ModelConfig) else None
@@ -209,17 +209,13 @@ def default_mesh_config() -> MeshConfig:
 
 # ---- YAML -> MeshConfig -------------------------------------------------------------------------
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def parse_size(v: object) -> int:
     """Bytes from an integer or a size string: "268435456", "256MiB", "2GiB", "1.5GB", "512Ki"."""
-    if _is_int(v):
+    if is_int(v):
         _require(v > 0, f"expected a positive byte count, got {v!r}")
         return v
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", v) if isinstance(v, str) else None
@@ -232,9 +228,9 @@ def parse_size(v: object) -> int:
 
 
 _KINDS = {  # kind: (check, what it expects)
-    "pos_int": (lambda v: _is_int(v) and v > 0, "a positive integer"),
-    "int": (_is_int, "an integer"),
-    "nonneg_int": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "pos_int": (lambda v: is_int(v) and v > 0, "a positive integer"),
+    "int": (is_int, "an integer"),
+    "nonneg_int": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
     "pos_num": (lambda v: _is_num(v) and v > 0, "a number > 0"),
     "nonneg_num": (lambda v: _is_num(v) and v >= 0, "a number >= 0"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
@@ -283,7 +279,7 @@ def _fields(d: dict, path: str, schema: dict) -> dict:
             except ConfigError as e:
                 raise ConfigError(f"{key}: {e}") from None
         elif kind == "layers":
-            _require(isinstance(v, list) and len(v) == 2 and all(_is_int(x) for x in v),
+            _require(isinstance(v, list) and len(v) == 2 and all(is_int(x) for x in v),
                      f"{key}: expected [start, end] integers, got {v!r}")
             out[k] = tuple(v)
         else:
@@ -331,7 +327,7 @@ def _stations(raw: dict, top: MeshConfig) -> dict:
     if isinstance(d, dict):
         d = _mapping(d, "stations", ("count", "balance"))
         count, balance = d.get("count"), d.get("balance", "memory")
-        _require(_is_int(count) and count >= 1, f"stations.count: expected a positive integer, got {_type(count)}")
+        _require(is_int(count) and count >= 1, f"stations.count: expected a positive integer, got {_type(count)}")
         _require(balance in BALANCES, f"stations.balance: expected one of {', '.join(BALANCES)}, got {_type(balance)}")
         return {"stations": None, "station_count": count, "balance": balance}
     _require(isinstance(d, list) and len(d) > 0,

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import itertools
 
-from mesh.core.config import DTYPE_BYTES, SUPPORTED_DTYPES, ModelConfig, _require
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+from mesh.core.config import DTYPE_BYTES, SUPPORTED_DTYPES, ModelConfig, _require, is_int
 
 
 def _layer_params(cfg: ModelConfig) -> int:
@@ -64,8 +60,8 @@ def plan_layers(num_layers: int, count: int, weights=None) -> list[tuple[int, in
     Minimises the heaviest station's total weight (per-layer `weights`, e.g. layer_weights(cfg);
     all 1 when None), then, among those plans, the spread (sum of squared station weights).
     """
-    _require(_is_int(num_layers) and num_layers >= 1, f"num_layers: expected a positive integer, got {num_layers!r}")
-    _require(_is_int(count) and count >= 1, f"stations.count: expected a positive integer, got {count!r}")
+    _require(is_int(num_layers) and num_layers >= 1, f"num_layers: expected a positive integer, got {num_layers!r}")
+    _require(is_int(count) and count >= 1, f"stations.count: expected a positive integer, got {count!r}")
     _require(count <= num_layers, f"stations.count: {count} stations for a model of {num_layers} layers "
              "(each station needs at least one layer)")
     w = [1] * num_layers if weights is None else list(weights)

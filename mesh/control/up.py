@@ -8,6 +8,7 @@ orchestrator and every station's metrics endpoint, rewritten after each growth.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,7 +23,8 @@ from pathlib import Path
 
 from mesh.control.cluster import Cluster
 from mesh.control.cluster_yaml import MeshConfig
-from mesh.core.config import ConfigError
+from mesh.core.config import ConfigError, is_int
+from mesh.core.transport import host_port
 from orchestrator.api import create_app
 from orchestrator.metrics import MetricsRegistry
 from orchestrator.openai_schema import ApiError
@@ -51,8 +53,7 @@ def _advertised(host: str) -> str:
 def file_sd_targets(config: MeshConfig, status: dict) -> list[dict]:
     """Prometheus file_sd groups: the orchestrator's /metrics and every station's metrics endpoint."""
     host = _advertised(config.api.host)
-    api = f"[{host}]:{config.api.port}" if ":" in host else f"{host}:{config.api.port}"
-    groups = [{"targets": [api], "labels": {"job": "wavemesh-orchestrator"}}]
+    groups = [{"targets": [host_port(host, config.api.port)], "labels": {"job": "wavemesh-orchestrator"}}]
     for st in status.get("stations", []):
         if st.get("metrics_address"):
             a, b = st["layers"]
@@ -107,7 +108,7 @@ def build_app(cluster, config: MeshConfig):
     def scale(body: dict = Body(...)) -> dict:
         """Re-plan the model over `stations` stations and move serving onto them."""
         count = body.get("stations") if isinstance(body, dict) else None
-        if not isinstance(count, int) or isinstance(count, bool):
+        if not is_int(count):
             raise ApiError(400, "stations: expected an integer", "stations")
         try:
             specs = cluster.scale(count)
@@ -140,11 +141,29 @@ def _draining_server_class():
 
     class DrainingServer(uvicorn.Server):
         """On the first SIGINT/SIGTERM: refuse new requests with 503, let admitted ones finish (up to
-        `drain_s`), then stop; a second signal stops at once."""
+        `drain_s`), then stop; a second signal stops at once. Either way `run()` then returns normally."""
 
         def __init__(self, config, engine, drain_s: float) -> None:
             super().__init__(config)
             self.engine, self.drain_s, self._draining = engine, drain_s, False
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """SIGINT/SIGTERM go to handle_exit while serving; the previous handlers come back afterwards.
+
+            uvicorn's own version raises each caught signal again once the server has stopped, which turns
+            a drained Ctrl-C into a KeyboardInterrupt traceback (and SIGTERM into Ray's SystemExit): the
+            signal has been handled by the drain, so here it is not raised again.
+            """
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
         def handle_exit(self, sig, frame) -> None:
             if self._draining:
@@ -176,12 +195,9 @@ def serve(config: MeshConfig, model_dir: Path) -> int:
         server = DrainingServer(uvicorn.Config(app, host=config.api.host, port=config.api.port, log_level="warning",
                                                timeout_graceful_shutdown=config.cluster.shutdown_timeout_s),
                                 cluster.engine, config.cluster.shutdown_timeout_s)
-        print(f"wavemesh serving {model_dir.name} on http://{config.api.host}:{config.api.port} "
+        print(f"wavemesh serving {model_dir.name} on http://{host_port(config.api.host, config.api.port)} "
               f"with {len(cluster.specs)} station(s)", file=sys.stderr, flush=True)
-        try:
-            server.run()  # SIGINT/SIGTERM: stop accepting, let open requests finish (graceful timeout)
-        except SystemExit:
-            pass  # uvicorn re-raises the captured signal on exit, and Ray's handler turns it into SystemExit
+        server.run()  # returns after SIGINT/SIGTERM and the drain (a failed start raises SystemExit(1))
     finally:
         cluster.stop()
         print("wavemesh stopped: every station actor ended", file=sys.stderr, flush=True)

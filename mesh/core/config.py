@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# HF model_type -> its class name in config.json `architectures`
+ARCH_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHS = tuple(ARCH_CLASSES)  # the one list of architectures (config, presets, tokenizers, CLI)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the one table of station dtypes: name -> bytes per element
+SUPPORTED_DTYPES = tuple(DTYPE_BYTES)
 
 
 class ConfigError(ValueError):
@@ -25,6 +27,11 @@ class ConfigError(ValueError):
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def is_int(v: object) -> bool:
+    """True for an int that is not a bool (YAML, JSON and keyword arguments give `True` where a count belongs)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +100,7 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             v = getattr(self, name)
-            _require(isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                     f"{name} must be a positive integer, got {v!r}")
+            _require(is_int(v) and v > 0, f"{name} must be a positive integer, got {v!r}")
         _require(self.num_attention_heads % self.num_key_value_heads == 0,
                  f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                  f"num_key_value_heads ({self.num_key_value_heads})")
@@ -157,9 +163,8 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The Hugging Face config.json dict for this model."""
-        arch_class = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
         d: dict[str, Any] = {
-            "architectures": [arch_class[self.arch]], "model_type": self.arch,
+            "architectures": [ARCH_CLASSES[self.arch]], "model_type": self.arch,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
@@ -199,7 +204,7 @@ class StationSpec:
         _require(self.linear_backend in ("auto", "aten", "onednn"),
                  f"linear_backend: expected auto, aten or onednn, got {self.linear_backend!r}")
         _require(isinstance(self.layers, tuple) and len(self.layers) == 2
-                 and all(isinstance(x, int) and not isinstance(x, bool) for x in self.layers),
+                 and all(is_int(x) for x in self.layers),
                  f"layers must be [start, end] integers, got {self.layers!r}")
         _require(0 <= self.layers[0] < self.layers[1], f"layers: need 0 <= start < end, got {list(self.layers)}")
         _require(self.device == "cpu" or self.device.startswith("cuda"),
@@ -239,10 +244,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_wave_tokens", "max_queue", "short_prompt_tokens", "max_skips"):
             v = getattr(self, name)
-            _require(isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                     f"scheduler.{name} must be a positive integer, got {v!r}")
-        _require(isinstance(self.extra_waves, int) and not isinstance(self.extra_waves, bool)
-                 and self.extra_waves >= 0, f"scheduler.extra_waves must be an integer >= 0, got {self.extra_waves!r}")
+            _require(is_int(v) and v > 0, f"scheduler.{name} must be a positive integer, got {v!r}")
+        _require(is_int(self.extra_waves) and self.extra_waves >= 0,
+                 f"scheduler.extra_waves must be an integer >= 0, got {self.extra_waves!r}")
         _require(self.max_wave_tokens >= self.max_seqs,
                  f"scheduler.max_wave_tokens ({self.max_wave_tokens}) must be >= max_seqs ({self.max_seqs}) "
                  "so every decoding sequence fits in one wave")

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mesh.core.config import is_int
+
 MAX_LOGPROBS = 20  # the most top-n logprobs one token may ask for
 
 
@@ -34,20 +36,20 @@ class SamplingParams:
             if not cond:
                 raise ParamError(param, msg)
 
-        need(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+        need(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
              f"must be an integer >= 1, got {self.max_tokens!r}")
         need(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature",
              f"must be a number in [0, 100], got {self.temperature!r}")
         need(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
              f"must be a number in (0, 1], got {self.top_p!r}")
-        need(_is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an integer >= 0, got {self.top_k!r}")
-        need(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
+        need(is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an integer >= 0, got {self.top_k!r}")
+        need(is_int(self.seed) and 0 <= self.seed < 2**63, "seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
         need(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop), "stop",
              "must be non-empty strings")
-        need(isinstance(self.stop_token_ids, tuple) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+        need(isinstance(self.stop_token_ids, tuple) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids", "must be non-negative integers")
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
-        need(_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+        need(is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
              f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
@@ -56,12 +58,8 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_num(v: object) -> bool:
-    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))  # an int is finite (isfinite(10**400) raises)
+    return is_int(v) or (isinstance(v, float) and math.isfinite(v))  # an int is finite (isfinite(10**400) raises)
 
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",

@@ -11,11 +11,21 @@ from pathlib import Path
 from mesh.core.config import ConfigError
 
 
+def token_travels(token: object) -> bool:
+    """True when `token` can travel as gRPC metadata: a non-empty string of printable ASCII."""
+    return isinstance(token, str) and token != "" and token.isascii() and token.isprintable()
+
+
 def check_token(token: object) -> str:
-    """The token itself if it can travel as gRPC metadata (non-empty printable ASCII), else ValueError."""
-    if not (isinstance(token, str) and token and token.isascii() and token.isprintable()):
+    """The token itself if it can travel as gRPC metadata (`token_travels`), else ValueError."""
+    if not token_travels(token):
         raise ValueError("cluster token: must be a non-empty string of printable ASCII")
     return token
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port` as gRPC and HTTP clients take it: an IPv6 host in brackets (`[::1]:50051`)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -18,15 +18,10 @@ import torch
 
 from mesh.core.params import ParamError, SamplingParams
 from mesh.core.proto import station_pb2 as pb
+from mesh.core.torch_dtypes import WIRE_DTYPES
 from mesh.core.wave import SampledToken, WaveEntry
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-}
+DTYPES = WIRE_DTYPES  # name -> torch dtype of every tensor the wire carries
 _DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 MAX_NDIM = 8  # no tensor on this wire has more dims; bounds the work a bad shape can cause
 _INT64_MAX = 2**63 - 1

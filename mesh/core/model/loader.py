@@ -16,8 +16,8 @@ from safetensors import safe_open
 
 from mesh.core.config import ModelConfig
 from mesh.core.model.llama import LlamaRange
+from mesh.core.torch_dtypes import TORCH_DTYPES
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TIED_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
 
 

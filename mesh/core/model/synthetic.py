@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from mesh.core.config import ModelConfig, RopeScaling
+from mesh.core.config import SUPPORTED_ARCHS, ModelConfig, RopeScaling
 from mesh.core.model.llama import LlamaRange
 from mesh.core.model.tokenizer_gen import write_tokenizer
 
@@ -26,15 +26,14 @@ PRESETS = {
     "small": (256, 8, 8, 4, 688, 4096, 2048),
     "bench": (768, 12, 12, 4, 2048, 32000, 4096),
 }
-ARCHS = ("llama", "mistral", "qwen2")
 
 
 def preset_config(preset: str, arch: str = "llama") -> ModelConfig:
     """The ModelConfig of a named preset in one of the supported architectures."""
     if preset not in PRESETS:
         raise ValueError(f"preset: unknown {preset!r}; choose from {', '.join(PRESETS)}")
-    if arch not in ARCHS:
-        raise ValueError(f"arch: unknown {arch!r}; choose from {', '.join(ARCHS)}")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"arch: unknown {arch!r}; choose from {', '.join(SUPPORTED_ARCHS)}")
     hidden, layers, heads, kv_heads, ffn, vocab, ctx = PRESETS[preset]
     common = dict(arch=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,

@@ -26,6 +26,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from mesh.core.config import SUPPORTED_ARCHS
+from mesh.core.model.byte_level import byte_chars
 
 PAD, BOS, EOS, IM_START, IM_END = "<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, IM_START, IM_END)  # ids 0..4
@@ -94,21 +95,6 @@ def _synthetic_text(n_words: int, seed: int = 0) -> str:
     for rank, w in enumerate(lexicon):
         out.extend([w] * max(1, 400 // (rank + 1)))
     return " " + " ".join(out)
-
-
-def _bytes_to_unicode() -> list[str]:
-    """The GPT-2 byte -> printable unicode char table (what ByteLevel uses), by byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
 
 
 def _corpus_word_counts() -> list[tuple[str, int]]:
@@ -218,7 +204,7 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be an int >= {MIN_VOCAB_SIZE}, got {vocab_size!r}")
     vocab: dict[str, int] = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    for ch in _bytes_to_unicode():
+    for ch in byte_chars():
         vocab[ch] = len(vocab)
     merges = _learn_merges(_corpus_word_counts(), vocab, vocab_size)
     assert len(vocab) == vocab_size, (len(vocab), vocab_size)
