@@ -21,13 +21,27 @@ from typing import Callable
 import ray
 from ray.exceptions import GetTimeoutError
 
-from mesh.control.cluster_yaml import MeshConfig
+from mesh.control.cluster_yaml import MeshConfig, RayConfig
 from mesh.control.layer_plan import plan_layers, split_weights
 from mesh.core.config import ConfigError, ModelConfig, StationSpec
 from orchestrator.engine import Engine
 from orchestrator.remote import RemoteLink
 from station.actor import create_station, station_address, stop_station
 from station.probe import ProbeConfig
+
+
+def connect_ray(config: RayConfig, num_cpus: int) -> bool:
+    """Join the Ray cluster at `config.address`, or, when it is None, start a new local Ray of `num_cpus` logical
+    CPUs: never one found through RAY_ADDRESS or a `ray_current_cluster` file that another session left behind. False when Ray was already up in this process (the caller does not own it)."""
+    if ray.is_initialized():
+        return False
+    kw = {"namespace": config.namespace, "include_dashboard": False, "logging_level": "WARNING",
+          "log_to_driver": False}
+    if config.address is None:
+        ray.init(address="local", num_cpus=num_cpus, **kw)
+    else:
+        ray.init(address=config.address, **kw)
+    return True
 
 
 def _say(msg: str) -> None:
@@ -59,16 +73,8 @@ class Cluster:
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self, tokenizer=None) -> None:
         """Connect to (or start) Ray, launch every station, and build the engine over them."""
-        if not ray.is_initialized():
-            kw = {"namespace": self.config.ray.namespace, "include_dashboard": False, "logging_level": "WARNING",
-                  "log_to_driver": False}
-            if self.config.ray.address is None:
-                # logical CPUs: room for the old and the new plan side by side while growing
-                kw["num_cpus"] = max(os.cpu_count() or 1, 4 * len(self.specs) + 8)
-                ray.init(**kw)
-            else:
-                ray.init(address=self.config.ray.address, **kw)
-            self._owns_ray = True
+        # logical CPUs of a local Ray: room for the old and the new plan side by side while growing
+        self._owns_ray = connect_ray(self.config.ray, num_cpus=max(os.cpu_count() or 1, 4 * len(self.specs) + 8))
         self._launch(self.specs)
         self.engine = Engine([self._links[s] for s in self.specs], self.model, self.config.scheduler, tokenizer,
                              recover=self.recover)
