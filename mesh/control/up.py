@@ -22,6 +22,7 @@ from pathlib import Path
 
 from mesh.control.cluster import Cluster
 from mesh.control.cluster_yaml import MeshConfig
+from mesh.control.targets import claim_targets, clean_stale_targets, release_targets
 from mesh.core.config import ConfigError
 from orchestrator.api import create_app
 from orchestrator.metrics import MetricsRegistry
@@ -91,6 +92,7 @@ def build_app(cluster, config: MeshConfig):
     app = create_app(cluster.engine, cluster.engine.tokenizer, chat_template(cluster.model_dir), name, config.api,
                      status_provider=cluster.status, metrics=metrics)
     write_targets(cluster, config)
+    claim_targets(config.cluster.targets_file)
 
     def refresh_targets() -> None:
         try:
@@ -171,6 +173,9 @@ def serve(config: MeshConfig, model_dir: Path) -> int:
     from tokenizers import Tokenizer
 
     DrainingServer = _draining_server_class()
+    if clean_stale_targets(config.cluster.targets_file):
+        print(f"wavemesh: {config.cluster.targets_file} listed a cluster that is gone: emptied",
+              file=sys.stderr, flush=True)
     cluster = Cluster(config, model_dir)
     cluster.start(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
     try:
@@ -186,6 +191,7 @@ def serve(config: MeshConfig, model_dir: Path) -> int:
             pass  # uvicorn re-raises the captured signal on exit, and Ray's handler turns it into SystemExit
     finally:
         cluster.stop()
+        release_targets(config.cluster.targets_file)
         print("wavemesh stopped: every station actor ended", file=sys.stderr, flush=True)
     return 0
 
@@ -195,14 +201,14 @@ def state_file(cache: Path) -> Path:
     return cache / "mesh-up.json"
 
 
-def detach(argv: list[str], url: str, cache: Path, timeout_s: float = 300.0) -> int:
+def detach(argv: list[str], url: str, cache: Path, timeout_s: float = 300.0, targets_file: str | None = None) -> int:
     """Start `mesh up` again in the background (its own session), wait for /health, record its pid."""
     cache.mkdir(parents=True, exist_ok=True)
     log = cache / "mesh-up.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mesh.control.cli", "up", *argv], stdout=out, stderr=out,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    state_file(cache).write_text(json.dumps({"pid": proc.pid, "url": url, "log": str(log)}))
+    state_file(cache).write_text(json.dumps({"pid": proc.pid, "url": url, "log": str(log), "targets_file": targets_file}))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -226,12 +232,14 @@ def down(cache: Path, timeout_s: float = 60.0) -> int:
     if not p.is_file():
         print("mesh down: no detached cluster recorded", file=sys.stderr)
         return 1
-    pid = json.loads(p.read_text())["pid"]
+    state = json.loads(p.read_text())
+    pid = state["pid"]
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         p.unlink()
-        print(f"mesh down: process {pid} was not running")
+        cleaned = clean_stale_targets(state.get("targets_file"))
+        print(f"mesh down: process {pid} was not running" + ("; its targets file emptied" if cleaned else ""))
         return 0
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
