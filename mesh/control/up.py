@@ -9,6 +9,7 @@ orchestrator and every station's metrics endpoint, rewritten after each growth.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -125,8 +126,9 @@ def build_app(cluster, config: MeshConfig):
         if layers is not None and not (isinstance(layers, list) and len(layers) == 2
                                        and all(isinstance(x, int) for x in layers)):
             raise ApiError(400, "layers: expected [start, end] integers", "layers")
-        if gpus is not None and not (isinstance(gpus, (int, float)) and gpus >= 0):
-            raise ApiError(400, "num_gpus: expected a number >= 0", "num_gpus")
+        if gpus is not None and not (isinstance(gpus, (int, float)) and not isinstance(gpus, bool)
+                                     and math.isfinite(gpus) and gpus >= 0):
+            raise ApiError(400, "num_gpus: expected a finite number >= 0", "num_gpus")
         try:
             specs = cluster.add_station(tuple(layers) if layers else None, gpus)
         except ConfigError as e:
