@@ -109,13 +109,14 @@ class TokenAuth(grpc.ServerInterceptor):
 
 
 class StrictDecode(grpc.ServerInterceptor):
-    """Answer a Station request whose bytes do not parse with INVALID_ARGUMENT (gRPC's own answer is INTERNAL)."""
+    """Answer a request whose bytes do not parse with INVALID_ARGUMENT (gRPC's own answer is INTERNAL): the
+    Station's methods and the open health check alike."""
 
     def intercept_service(self, continuation, handler_call_details):
         """Wrap the unary Station handlers so a parse failure reaches them as a refusal, not an exception."""
         handler = continuation(handler_call_details)
         if (handler is None or handler.unary_unary is None
-                or not handler_call_details.method.startswith(f"/{SERVICE_NAME}/")):
+                or not handler_call_details.method.startswith((f"/{SERVICE_NAME}/", *OPEN_SERVICES))):
             return handler
         parse, behavior = handler.request_deserializer, handler.unary_unary
 

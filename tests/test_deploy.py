@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -13,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mesh.control.cluster_yaml import ClusterConfig, MeshConfig, ModelSource, mesh_config_from_dict
 from mesh.core.config import ApiConfig, StationSpec
-from mesh.control.up import file_sd_targets, write_targets
+from mesh.control.targets import claim_targets, clean_stale_targets, release_targets
+from mesh.control.up import down, file_sd_targets, state_file, write_targets
 from orchestrator.engine import EngineStats
 from orchestrator.metrics import MetricsRegistry, RequestRecord
 from station.metrics import StationMetrics
@@ -188,3 +192,35 @@ def test_write_targets_file_sd(tmp_path):
     write_targets(_FakeCluster(stations), _cfg(None))  # no targets_file: nothing written anywhere
     assert file_sd_targets(_cfg(None), {"stations": []}) == [
         {"targets": ["127.0.0.1:8123"], "labels": {"job": "wavemesh-orchestrator"}}]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_targets_of_a_dead_cluster_are_emptied(tmp_path):
+    """A `mesh up` killed by SIGKILL leaves its targets behind; the next `mesh up` (or `mesh down`) empties them,
+    while a live owner's file is left as it is (issue 17 item 4)."""
+    path = tmp_path / "targets.json"
+    stations = [{"index": 0, "layers": [0, 6], "metrics_address": "127.0.0.1:9100"}]
+    write_targets(_FakeCluster(stations), _cfg(str(path)))
+    claim_targets(str(path))  # this process: alive
+    assert not clean_stale_targets(str(path)) and len(json.loads(path.read_text())) == 2
+    owner = path.with_name("targets.json.owner")
+    owner.write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname()}))
+    assert clean_stale_targets(str(path))
+    assert json.loads(path.read_text()) == [] and not owner.exists()
+    assert not clean_stale_targets(str(path))  # nothing left to clean
+    # `mesh down` of a detached cluster that died: the state file names its targets file
+    write_targets(_FakeCluster(stations), _cfg(str(path)))
+    owner.write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname()}))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    state_file(cache).write_text(json.dumps({"pid": _dead_pid(), "url": "http://127.0.0.1:1", "log": "x",
+                                             "targets_file": str(path)}))
+    assert down(cache) == 0
+    assert json.loads(path.read_text()) == [] and not state_file(cache).exists()
+    release_targets(str(path))  # a clean stop empties it as well
+    assert json.loads(path.read_text()) == []

@@ -89,3 +89,26 @@ def test_scale_while_serving_keeps_every_token(local_ray, tiny_llama):
                 ray.get(handle.pid.remote(), timeout=30)
     finally:
         cluster.stop()
+
+
+def test_impossible_placement_is_refused_at_once_and_starts_nothing(local_ray, tiny_llama):
+    """add-station asking for a GPU on a CPU-only Ray, or for an infinite number of them, is refused before
+    any actor starts, naming the resource; the route keeps serving (issue 17 items 2 and 3)."""
+    from mesh.core.config import ConfigError
+
+    def alive() -> float:  # CPUs held by actors (every station holds one): an actor started would show here
+        return ray.cluster_resources()["CPU"] - ray.available_resources().get("CPU", 0.0)
+
+    cluster = _cluster(tiny_llama, ((0, 6),))
+    try:
+        before = alive()
+        with pytest.raises(ConfigError, match=r"num_gpus=1 but no node of this Ray cluster has that much GPU"):
+            cluster.add_station(num_gpus=1)
+        with pytest.raises(ConfigError, match=r"num_gpus: expected a finite number >= 0, got inf"):
+            cluster.add_station(num_gpus=float("inf"))
+        assert alive() == before and len(cluster._actors) == 1
+        prompts, params = _jobs(2)
+        assert [o.token_ids for s in [cluster.engine.submit(p, sp) for p, sp in zip(prompts, params)]
+                for o in s.result(timeout=120)] == _reference(tiny_llama, prompts, params)
+    finally:
+        cluster.stop()

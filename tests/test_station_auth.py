@@ -84,6 +84,19 @@ def test_raw_metadata_variants_are_refused(authed):
         assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_health_check_with_garbage_bytes_is_invalid_argument(authed):
+    """The open health service refuses bytes that are no HealthCheckRequest as the Station methods do."""
+    with grpc.insecure_channel(authed.address) as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=lambda b: b,
+                                    response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        for garbage in (b"\xff\xff\xff", b"\x0a\x05ab", b"\x08" + b"\xff" * 11):
+            with pytest.raises(grpc.RpcError) as info:
+                check(garbage, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (garbage, info.value.details())
+            assert "not a valid protobuf message" in info.value.details()
+        assert check(b"", timeout=10).status == health_pb2.HealthCheckResponse.SERVING  # still serving
+
+
 def test_with_the_token_every_rpc_works(authed):
     with StationClient(authed.address, timeout_s=30, token=TOKEN, hidden_size=64, vocab_size=512) as client:
         calls = _calls(client)

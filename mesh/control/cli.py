@@ -140,7 +140,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         config = replace(config, api=replace(config.api, port=args.port))
     if args.detach:
         rest = [a for a in sys.argv[2:] if a != "--detach"]
-        return up.detach(rest, f"http://{host_port(config.api.host, config.api.port)}", _cache_dir().parent)
+        return up.detach(rest, f"http://{host_port(config.api.host, config.api.port)}", _cache_dir().parent,
+                         targets_file=config.cluster.targets_file)
     return up.serve(config, _model_dir_of(config))
 
 

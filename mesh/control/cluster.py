@@ -21,13 +21,39 @@ from typing import Callable
 import ray
 from ray.exceptions import GetTimeoutError
 
-from mesh.control.cluster_yaml import MeshConfig
+from mesh.control.cluster_yaml import MeshConfig, RayConfig
 from mesh.control.layer_plan import plan_layers, split_weights
 from mesh.core.config import ConfigError, ModelConfig, StationSpec
 from orchestrator.engine import Engine
 from orchestrator.remote import RemoteLink
 from station.actor import create_station, station_address, stop_station
 from station.probe import ProbeConfig
+
+
+def connect_ray(config: RayConfig, num_cpus: int) -> bool:
+    """Join the Ray cluster at `config.address`, or, when it is None, start a new local Ray of `num_cpus` logical
+    CPUs: never one found through RAY_ADDRESS or a `ray_current_cluster` file that another session left behind. False when Ray was already up in this process (the caller does not own it)."""
+    if ray.is_initialized():
+        return False
+    kw = {"namespace": config.namespace, "include_dashboard": False, "logging_level": "WARNING",
+          "log_to_driver": False}
+    if config.address is None:
+        ray.init(address="local", num_cpus=num_cpus, **kw)
+    else:
+        ray.init(address=config.address, **kw)
+    return True
+
+
+def check_placement(specs: tuple[StationSpec, ...], nodes: list[dict]) -> None:
+    """Refuse (ConfigError) a station that no alive node of the Ray cluster could ever hold: more GPUs or CPUs
+    than the largest node has. Ray would keep such an actor pending for ever."""
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", n.get("alive", False))]
+    for spec in specs:
+        for resource, need in (("GPU", spec.num_gpus), ("CPU", spec.num_cpus)):
+            most = max((float(r.get(resource, 0.0)) for r in alive), default=0.0)
+            if need > most:
+                raise ConfigError(f"station [{spec.start}, {spec.end}): num_{resource.lower()}s={need:g} but no node "
+                                  f"of this Ray cluster has that much {resource} (largest: {most:g})")
 
 
 def _say(msg: str) -> None:
@@ -50,7 +76,8 @@ class Cluster:
         # every station call carries the cluster token: the YAML's, or one made for this cluster
         self.token = config.cluster.token or secrets.token_urlsafe(24)
         self.tls = config.cluster.tls()
-        self._scale_lock = threading.Lock()
+        self._scale_lock = threading.Lock()  # the route's stations and links: held briefly, recovery takes it
+        self._replan_lock = threading.Lock()  # one re-plan (load + switch) at a time
         self._generation = 0
         self._stopping = threading.Event()
         self.on_restart: Callable[[], None] | None = None  # called after a station came back on a new address
@@ -59,16 +86,8 @@ class Cluster:
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self, tokenizer=None) -> None:
         """Connect to (or start) Ray, launch every station, and build the engine over them."""
-        if not ray.is_initialized():
-            kw = {"namespace": self.config.ray.namespace, "include_dashboard": False, "logging_level": "WARNING",
-                  "log_to_driver": False}
-            if self.config.ray.address is None:
-                # logical CPUs: room for the old and the new plan side by side while growing
-                kw["num_cpus"] = max(os.cpu_count() or 1, 4 * len(self.specs) + 8)
-                ray.init(**kw)
-            else:
-                ray.init(address=self.config.ray.address, **kw)
-            self._owns_ray = True
+        # logical CPUs of a local Ray: room for the old and the new plan side by side while growing
+        self._owns_ray = connect_ray(self.config.ray, num_cpus=max(os.cpu_count() or 1, 4 * len(self.specs) + 8))
         self._launch(self.specs)
         self.engine = Engine([self._links[s] for s in self.specs], self.model, self.config.scheduler, tokenizer,
                              recover=self.recover)
@@ -115,23 +134,35 @@ class Cluster:
         return self.reroute(tuple(sorted(new + [added], key=lambda s: s.start)))
 
     def prepare(self, specs: tuple[StationSpec, ...]) -> tuple[StationSpec, ...]:
-        """Check a plan and start (load) the stations it needs that are not running yet."""
+        """Check a plan (placement included: a station no node can hold is refused at once, naming the resource)
+        and start (load) the stations it needs that are not running yet. Loading holds no lock that recovery
+        needs; a station that does not come up ends every station this call started."""
         specs = self.config.with_stations(specs).resolve(self.model)
         with self._scale_lock:
-            self._launch(tuple(s for s in specs if s not in self._actors))
+            todo = tuple(s for s in specs if s not in self._actors)
+        check_placement(todo, ray.nodes())
+        self._launch(todo)
         return specs
 
     def reroute(self, specs: tuple[StationSpec, ...]) -> tuple[StationSpec, ...]:
         """Start what `specs` needs beside the current stations, switch the route between waves,
-        then retire the old route's stations that the new plan does not use."""
-        specs = self.prepare(specs)
-        with self._scale_lock:
-            self.progress(f"switching route to {len(specs)} station(s): {[list(s.layers) for s in specs]}")
-            self.engine.switch_route([self._links[s] for s in specs])
-            for old in [s for s in self.specs if s not in specs]:
-                self._retire(old)
-            self.specs = specs
-            self._generation += 1
+        then retire the old route's stations that the new plan does not use. One re-plan at a time; a
+        re-plan that fails ends the stations it started and leaves the route as it was."""
+        with self._replan_lock:
+            specs = self.prepare(specs)
+            try:
+                with self._scale_lock:
+                    self.progress(f"switching route to {len(specs)} station(s): {[list(s.layers) for s in specs]}")
+                    self.engine.switch_route([self._links[s] for s in specs])
+                    for old in [s for s in self.specs if s not in specs]:
+                        self._retire(old)
+                    self.specs = specs
+                    self._generation += 1
+            except BaseException:
+                with self._scale_lock:
+                    for spec in [s for s in specs if s not in self.specs]:
+                        self._retire(spec)
+                raise
         return specs
 
     def recover(self, links) -> list:
@@ -142,9 +173,10 @@ class Cluster:
         moved = False
         with self._scale_lock:
             for spec in self.specs:
-                link, handle = self._links[spec], self._actors[spec]
+                link = self._links[spec]
                 if link.health():
                     continue  # answering: a lost call, not a lost station
+                handle = self._actors[spec]
                 try:
                     address = station_address(handle, timeout_s=min(5.0, timeout))
                 except GetTimeoutError:
@@ -198,21 +230,34 @@ class Cluster:
 
     # ---- internals -------------------------------------------------------------------------------
     def _launch(self, specs: tuple[StationSpec, ...]) -> None:
-        cc = self.config.cluster
-        probe = ProbeConfig(period_s=cc.health_period_s, hang_s=cc.call_timeout_s)
         started = time.monotonic()
         handles = {}
         for spec in specs:
             self.progress(f"station [{spec.start}, {spec.end}) on {spec.device}/{spec.dtype}: loading")
-            handles[spec] = create_station(self.model_dir, spec, host=self.config.cluster.station_host,
-                                           max_restarts=self.config.cluster.max_restarts, token=self.token,
-                                           tls=self.tls, probe=probe)
-        for spec, handle in handles.items():
-            address = station_address(handle, timeout_s=600)
-            self._actors[spec] = handle
-            self._links[spec] = self._link(address)
-            self.progress(f"station [{spec.start}, {spec.end}): ready at {address} "
-                          f"({time.monotonic() - started:.1f}s)")
+            handles[spec] = self._create(spec)
+        ready: dict[StationSpec, tuple[object, RemoteLink]] = {}
+        try:
+            for spec, handle in handles.items():
+                address = station_address(handle, timeout_s=600)
+                ready[spec] = (handle, self._link(address))
+                self.progress(f"station [{spec.start}, {spec.end}): ready at {address} "
+                              f"({time.monotonic() - started:.1f}s)")
+        except BaseException:  # none of this launch serves: end them all, loaded or not
+            for handle, link in ready.values():
+                link.close()
+            for handle in handles.values():
+                stop_station(handle)
+            raise
+        with self._scale_lock:
+            for spec, (handle, link) in ready.items():
+                self._actors[spec], self._links[spec] = handle, link
+
+    def _create(self, spec: StationSpec):
+        """Start (not wait for) a station actor for `spec`, with the cluster's token, TLS, probe and restarts."""
+        cc = self.config.cluster
+        return create_station(self.model_dir, spec, host=cc.station_host, max_restarts=cc.max_restarts,
+                              token=self.token, tls=self.tls,
+                              probe=ProbeConfig(period_s=cc.health_period_s, hang_s=cc.call_timeout_s))
 
     def _link(self, address: str):
         return RemoteLink(address, timeout_s=self.config.cluster.call_timeout_s, token=self.token, tls=self.tls)

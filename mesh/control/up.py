@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from mesh.control.cluster import Cluster
 from mesh.control.cluster_yaml import MeshConfig
+from mesh.control.targets import claim_targets, clean_stale_targets, release_targets
 from mesh.core.config import ConfigError, is_int
 from mesh.core.transport import host_port
 from orchestrator.api import create_app
@@ -92,6 +94,7 @@ def build_app(cluster, config: MeshConfig):
     app = create_app(cluster.engine, cluster.engine.tokenizer, chat_template(cluster.model_dir), name, config.api,
                      status_provider=cluster.status, metrics=metrics)
     write_targets(cluster, config)
+    claim_targets(config.cluster.targets_file)
 
     def refresh_targets() -> None:
         try:
@@ -124,8 +127,9 @@ def build_app(cluster, config: MeshConfig):
         if layers is not None and not (isinstance(layers, list) and len(layers) == 2
                                        and all(isinstance(x, int) for x in layers)):
             raise ApiError(400, "layers: expected [start, end] integers", "layers")
-        if gpus is not None and not (isinstance(gpus, (int, float)) and gpus >= 0):
-            raise ApiError(400, "num_gpus: expected a number >= 0", "num_gpus")
+        if gpus is not None and not (isinstance(gpus, (int, float)) and not isinstance(gpus, bool)
+                                     and math.isfinite(gpus) and gpus >= 0):
+            raise ApiError(400, "num_gpus: expected a finite number >= 0", "num_gpus")
         try:
             specs = cluster.add_station(tuple(layers) if layers else None, gpus)
         except ConfigError as e:
@@ -188,6 +192,9 @@ def serve(config: MeshConfig, model_dir: Path) -> int:
     from tokenizers import Tokenizer
 
     DrainingServer = _draining_server_class()
+    if clean_stale_targets(config.cluster.targets_file):
+        print(f"wavemesh: {config.cluster.targets_file} listed a cluster that is gone: emptied",
+              file=sys.stderr, flush=True)
     cluster = Cluster(config, model_dir)
     cluster.start(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
     try:
@@ -200,6 +207,7 @@ def serve(config: MeshConfig, model_dir: Path) -> int:
         server.run()  # returns after SIGINT/SIGTERM and the drain (a failed start raises SystemExit(1))
     finally:
         cluster.stop()
+        release_targets(config.cluster.targets_file)
         print("wavemesh stopped: every station actor ended", file=sys.stderr, flush=True)
     return 0
 
@@ -209,14 +217,14 @@ def state_file(cache: Path) -> Path:
     return cache / "mesh-up.json"
 
 
-def detach(argv: list[str], url: str, cache: Path, timeout_s: float = 300.0) -> int:
+def detach(argv: list[str], url: str, cache: Path, timeout_s: float = 300.0, targets_file: str | None = None) -> int:
     """Start `mesh up` again in the background (its own session), wait for /health, record its pid."""
     cache.mkdir(parents=True, exist_ok=True)
     log = cache / "mesh-up.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mesh.control.cli", "up", *argv], stdout=out, stderr=out,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    state_file(cache).write_text(json.dumps({"pid": proc.pid, "url": url, "log": str(log)}))
+    state_file(cache).write_text(json.dumps({"pid": proc.pid, "url": url, "log": str(log), "targets_file": targets_file}))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -240,12 +248,14 @@ def down(cache: Path, timeout_s: float = 60.0) -> int:
     if not p.is_file():
         print("mesh down: no detached cluster recorded", file=sys.stderr)
         return 1
-    pid = json.loads(p.read_text())["pid"]
+    state = json.loads(p.read_text())
+    pid = state["pid"]
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         p.unlink()
-        print(f"mesh down: process {pid} was not running")
+        cleaned = clean_stale_targets(state.get("targets_file"))
+        print(f"mesh down: process {pid} was not running" + ("; its targets file emptied" if cleaned else ""))
         return 0
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -9,6 +9,7 @@ imports torch.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,7 +212,10 @@ class StationSpec:
                  f"device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
         _require(self.dtype in SUPPORTED_DTYPES, f"dtype: expected one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         _require(isinstance(self.kv_bytes, int) and self.kv_bytes > 0, f"kv_bytes must be > 0, got {self.kv_bytes!r}")
-        _require(self.num_gpus >= 0 and self.num_cpus >= 0, "num_gpus and num_cpus must be >= 0")
+        for name in ("num_gpus", "num_cpus"):
+            v = getattr(self, name)
+            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
+                     f"{name}: expected a finite number >= 0, got {v!r}")
 
     @property
     def start(self) -> int:
