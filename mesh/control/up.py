@@ -23,17 +23,16 @@ from pathlib import Path
 from mesh.control.cluster import Cluster
 from mesh.control.cluster_yaml import MeshConfig
 from mesh.core.config import ConfigError
+from mesh.core.model.tokenizer_files import chat_template as checkpoint_chat_template
+from mesh.core.model.tokenizer_files import load_tokenizer
 from orchestrator.api import create_app
 from orchestrator.metrics import MetricsRegistry
 from orchestrator.openai_schema import ApiError
 
 
 def chat_template(model_dir: Path) -> str:
-    """The chat template of a checkpoint's tokenizer_config.json ('' when it has none)."""
-    p = model_dir / "tokenizer_config.json"
-    if not p.is_file():
-        return ""
-    return json.loads(p.read_text()).get("chat_template") or ""
+    """The checkpoint's chat template: chat_template.jinja, tokenizer_config.json or GGUF metadata ('' if none)."""
+    return checkpoint_chat_template(model_dir)
 
 
 def _advertised(host: str) -> str:
@@ -168,11 +167,10 @@ def _draining_server_class():
 def serve(config: MeshConfig, model_dir: Path) -> int:
     """Start the cluster, serve until SIGINT/SIGTERM, then stop every actor."""
     import uvicorn
-    from tokenizers import Tokenizer
 
     DrainingServer = _draining_server_class()
     cluster = Cluster(config, model_dir)
-    cluster.start(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+    cluster.start(load_tokenizer(model_dir))
     try:
         app = build_app(cluster, config)
         server = DrainingServer(uvicorn.Config(app, host=config.api.host, port=config.api.port, log_level="warning",
