@@ -64,11 +64,28 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
+def gguf_name(name: str) -> str:
+    """The llama.cpp tensor name of a Hugging Face parameter name (the inverse of hf_name)."""
+    top = {h: g for g, h in _TOP_NAMES.items()}
+    if name in top:
+        return top[name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(\w+\.\w+|\w+)\.(weight|bias)", name)
+    layer = {h: g for g, h in _LAYER_NAMES.items()}
+    if m is None or m.group(2) not in layer:
+        raise GGUFError(f"{name}: no llama.cpp tensor name for it")
+    return f"blk.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"
+
+
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row order: per head, rows (0, D/2, 1, D/2+1, ...) back to (0, 1, ..., D-1)."""
     rows = w.shape[0]
     return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])  # [H, D/2, 2, ...]
             .swapaxes(1, 2).reshape(w.shape))  # [H, 2, D/2, ...] -> [rows, ...]
+
+
+def _shortest(v: float) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(v)))
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -141,8 +158,8 @@ class GGUFCheckpoint:
             "intermediate_size": self._arch_meta("feed_forward_length"),
             "num_hidden_layers": self._arch_meta("block_count"), "num_attention_heads": heads,
             "num_key_value_heads": self._arch_meta("attention.head_count_kv", heads), "head_dim": head_dim,
-            "rms_norm_eps": float(self._arch_meta("attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": float(self._arch_meta("rope.freq_base", 10000.0)),
+            "rms_norm_eps": _shortest(self._arch_meta("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": _shortest(self._arch_meta("rope.freq_base", 10000.0)),
             "max_position_embeddings": self._arch_meta("context_length", 2048),
             "tie_word_embeddings": "lm_head.weight" not in self.tensors,
             "bos_token_id": self.meta("tokenizer.ggml.bos_token_id"),
