@@ -94,6 +94,12 @@ def is_gguf(path: str | Path) -> bool:
     return p.suffix.lower() == ".gguf" and not p.is_dir()
 
 
+def transformers_source(path: str | Path) -> tuple[Path, dict[str, str]]:
+    """`from_pretrained` arguments for a checkpoint: (directory, {}) or, for a GGUF file, (its folder, {gguf_file})."""
+    p = Path(path)
+    return (p.parent, {"gguf_file": p.name}) if is_gguf(p) else (p, {})
+
+
 class GGUFCheckpoint:
     """One opened, validated GGUF file: its metadata, its tensors by HF name, and reads of them."""
 
