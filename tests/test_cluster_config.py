@@ -230,8 +230,8 @@ def test_bad_size_strings(bad):
 def test_local_yaml_is_the_embedded_default():
     assert load_mesh_config(DEPLOY / "local.yaml") == default_mesh_config()
     d = default_mesh_config()
-    assert d.ray.address is None and d.model == ModelSource(preset="tiny", arch="llama")
-    assert d.resolve(preset_config("tiny")) == (StationSpec((0, 6)),)
+    assert d.ray.address is None and d.model == ModelSource(preset="smollm2-135m-instruct", arch="llama")
+    assert d.resolve(d.model.model_config()) == (StationSpec((0, 30)),)  # SmolLM2-135M: 30 layers
     assert (d.api.host, d.api.port) == ("127.0.0.1", 8000)
 
 

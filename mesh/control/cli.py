@@ -1,4 +1,4 @@
-"""`mesh` command line: up, down, status, scale, add-station, generate, bench, init-model.
+"""`mesh` command line: up, down, status, scale, add-station, chat, generate, bench, init-model.
 
 Environment is read here, at the edge, and nowhere deeper: WAVEMESH_CACHE names
 where the embedded default model is written (default ~/.cache/wavemesh).
@@ -21,9 +21,13 @@ def _cache_dir() -> Path:
 
 
 def resolve_model(path: str | None, preset: str = "tiny") -> Path:
-    """A checkpoint directory: the one given, or the built-in synthetic model."""
+    """A checkpoint directory or GGUF file: the one given, or the built-in model of that preset."""
     if path:
         return Path(path)
+    from mesh.core.model.gguf_convert import SMOLLM2, builtin_chat_model
+
+    if preset == SMOLLM2:
+        return builtin_chat_model(_cache_dir())
     from mesh.core.compute import on_compute_thread
     from mesh.core.model.synthetic import builtin_model
 
@@ -91,15 +95,14 @@ def _generate_many(model_dir: Path, cfg, tok, args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Run one prompt on an in-process full-model station, or a JSONL file of requests through the engine."""
-    from tokenizers import Tokenizer
-
     from mesh.core.config import ModelConfig, StationSpec
+    from mesh.core.model.tokenizer_files import load_tokenizer
     from station.generate import generate_one
     from station.step import Station
 
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok = load_tokenizer(model_dir)
     if args.requests:
         return _generate_many(model_dir, cfg, tok, args)
     prompt = args.prompt_ids if args.prompt_ids is not None else tok.encode(args.prompt).ids
@@ -124,8 +127,11 @@ def _load_config(path: str | None):
 def _model_dir_of(config) -> Path:
     if config.model.path is not None:
         return Path(config.model.path)
+    from mesh.core.model.gguf_convert import SMOLLM2, builtin_chat_model
     from mesh.core.model.synthetic import builtin_model
 
+    if config.model.preset == SMOLLM2:  # dequantized once into the cache, with a progress bar
+        return builtin_chat_model(_cache_dir())
     return builtin_model(_cache_dir(), config.model.preset, config.model.arch)
 
 
@@ -176,6 +182,15 @@ def _call(args: argparse.Namespace, path: str, body: dict | None = None) -> dict
         raise ValueError(f"{path}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
     except urllib.error.URLError as e:
         raise ValueError(f"cannot reach the orchestrator at {_url(args)}: {e.reason}") from None
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Chat with a running cluster in the terminal (streamed replies, the conversation kept)."""
+    from mesh.control.chat import ChatSettings, chat_loop
+
+    settings = ChatSettings(_url(args), args.system, os.environ.get("WAVEMESH_API_KEY"), args.max_tokens,
+                            args.temperature, args.timeout)
+    return chat_loop(settings)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -242,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.set_defaults(func=cmd_init_model)
 
     gen = sub.add_parser("generate", help="generate for one prompt on an in-process station")
-    gen.add_argument("--model", help="HF checkpoint directory (default: the built-in tiny model)")
+    gen.add_argument("--model", help="HF checkpoint directory or .gguf file (default: the built-in tiny model)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-ids", type=_parse_ids)
@@ -266,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("down", help="stop a cluster started with --detach").set_defaults(func=cmd_down)
     for name, func, helptext in (("status", cmd_status, "stations, health, KV use, waves in flight"),
                                  ("scale", cmd_scale, "re-plan a running cluster over N stations"),
-                                 ("add-station", cmd_add_station, "add a station to a running cluster")):
+                                 ("add-station", cmd_add_station, "add a station to a running cluster"),
+                                 ("chat", cmd_chat, "chat with a running cluster in the terminal")):
         cmd = sub.add_parser(name, help=helptext)
         cmd.add_argument("--url", help="orchestrator URL (default: the detached cluster, or 127.0.0.1:8000)")
         cmd.add_argument("--timeout", type=float, default=600.0)
@@ -278,6 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "add-station":
             cmd.add_argument("--layers", help="A-B: the new station's layer range")
             cmd.add_argument("--num-gpus", type=float)
+        if name == "chat":
+            cmd.add_argument("--system", help="a system message that opens the conversation")
+            cmd.add_argument("--max-tokens", type=int, default=512)
+            cmd.add_argument("--temperature", type=float, default=0.0)
 
     bench = sub.add_parser("bench", help="run a benchmark from bench/ (step, ...)")
     bench.add_argument("name")

@@ -19,6 +19,9 @@ import yaml
 
 from mesh.core.config import (SUPPORTED_ARCHS, SUPPORTED_DTYPES, ApiConfig, ConfigError, ModelConfig,
                          SchedulerConfig, StationSpec, _require, is_int)
+from mesh.core.model.gguf_convert import SMOLLM2, smollm2_gguf
+from mesh.core.model.gguf_file import GGUFCheckpoint, GGUFError, is_gguf
+from mesh.core.model.gguf_tokenizer import check_tokenizer
 from mesh.core.transport import StationTls, token_travels
 from mesh.control.layer_plan import BALANCES, plan_layers, split_weights
 
@@ -30,15 +33,15 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 def _presets() -> tuple[str, ...]:
     from mesh.core.model.synthetic import PRESETS  # imports torch: only when a preset is named
 
-    return tuple(PRESETS)
+    return (*PRESETS, SMOLLM2)
 
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    """Where the model comes from: a checkpoint directory, or a synthetic preset (exactly one)."""
+    """Where the model comes from: a checkpoint directory or GGUF file, or a built-in preset (exactly one)."""
 
-    path: str | None = None  # a Hugging Face checkpoint directory (config.json + safetensors)
-    preset: str | None = None  # tiny | small | bench: the embedded synthetic model
+    path: str | None = None  # a Hugging Face checkpoint directory (config.json + safetensors) or a .gguf file
+    preset: str | None = None  # smollm2-135m-instruct (the embedded chat model) | tiny | small | bench (synthetic)
     arch: str = "llama"  # architecture of a preset (a checkpoint's config.json names its own)
 
     def __post_init__(self) -> None:
@@ -50,13 +53,18 @@ class ModelSource:
             _require(self.preset in presets, f"model.preset: unknown {self.preset!r}; choose from {', '.join(presets)}")
         _require(self.arch in SUPPORTED_ARCHS,
                  f"model.arch: unknown {self.arch!r}; choose from {', '.join(SUPPORTED_ARCHS)}")
+        _require(self.preset != SMOLLM2 or self.arch == "llama", f"model.arch: {SMOLLM2} is a llama model")
 
     def model_config(self) -> ModelConfig:
-        """The model's shape: the preset's, or read from the checkpoint's config.json."""
+        """The model's shape: the preset's, or read from the checkpoint's config.json or GGUF metadata."""
+        if self.preset == SMOLLM2:
+            return _gguf_config(smollm2_gguf, f"model.preset {SMOLLM2}")
         if self.preset is not None:
             from mesh.core.model.synthetic import preset_config
 
             return preset_config(self.preset, self.arch)
+        if is_gguf(self.path):
+            return _gguf_config(lambda: Path(self.path), "model.path")
         p = Path(self.path)
         _require(p.is_dir(), f"model.path: {self.path} does not exist" if not p.exists()
                  else f"model.path: {self.path} is not a directory")
@@ -66,6 +74,16 @@ class ModelSource:
             return ModelConfig.from_dir(p)
         except ConfigError as e:
             raise ConfigError(f"model.path: {e}") from None
+
+
+def _gguf_config(locate, key: str) -> ModelConfig:
+    """A GGUF file's shape, after checking everything a station and the tokenizer need (nothing loads)."""
+    try:
+        ckpt = GGUFCheckpoint(locate())
+        check_tokenizer(ckpt)
+        return ModelConfig.from_hf(ckpt.hf_config())
+    except (GGUFError, ConfigError) as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,8 +221,8 @@ class MeshConfig:
 
 
 def default_mesh_config() -> MeshConfig:
-    """The embedded default: local Ray, the tiny llama preset, one full-model CPU station, API on 127.0.0.1:8000."""
-    return MeshConfig(model=ModelSource(preset="tiny", arch="llama"), station_count=1)
+    """The embedded default: local Ray, SmolLM2-135M-Instruct, one full-model CPU station, API on 127.0.0.1:8000."""
+    return MeshConfig(model=ModelSource(preset=SMOLLM2, arch="llama"), station_count=1)
 
 
 # ---- YAML -> MeshConfig -------------------------------------------------------------------------
@@ -312,7 +330,7 @@ def _section(raw: dict, name: str, cls):
 
 def _model(raw: dict, base: Path | None) -> ModelSource:
     d = raw.get("model")
-    _require(d is not None, "model: missing; give {path: DIR} or {preset: tiny|small|bench}")
+    _require(d is not None, f"model: missing; give {{path: DIR or FILE.gguf}} or {{preset: {SMOLLM2}|tiny|small|bench}}")
     kw = _fields(_mapping(d, "model", _SCHEMA["model"]), "model", _SCHEMA["model"])
     _require(not ("arch" in kw and "path" in kw),
              "model.arch: only with preset (a checkpoint's config.json names its own)")

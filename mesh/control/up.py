@@ -27,17 +27,16 @@ from mesh.control.cluster_yaml import MeshConfig
 from mesh.control.targets import claim_targets, clean_stale_targets, release_targets
 from mesh.core.config import ConfigError, is_int
 from mesh.core.transport import host_port
+from mesh.core.model.tokenizer_files import chat_template as checkpoint_chat_template
+from mesh.core.model.tokenizer_files import load_tokenizer
 from orchestrator.api import create_app
 from orchestrator.metrics import MetricsRegistry
 from orchestrator.openai_schema import ApiError
 
 
 def chat_template(model_dir: Path) -> str:
-    """The chat template of a checkpoint's tokenizer_config.json ('' when it has none)."""
-    p = model_dir / "tokenizer_config.json"
-    if not p.is_file():
-        return ""
-    return json.loads(p.read_text()).get("chat_template") or ""
+    """The checkpoint's chat template: chat_template.jinja, tokenizer_config.json or GGUF metadata ('' if none)."""
+    return checkpoint_chat_template(model_dir)
 
 
 def _advertised(host: str) -> str:
@@ -189,14 +188,13 @@ def _draining_server_class():
 def serve(config: MeshConfig, model_dir: Path) -> int:
     """Start the cluster, serve until SIGINT/SIGTERM, then stop every actor."""
     import uvicorn
-    from tokenizers import Tokenizer
 
     DrainingServer = _draining_server_class()
     if clean_stale_targets(config.cluster.targets_file):
         print(f"wavemesh: {config.cluster.targets_file} listed a cluster that is gone: emptied",
               file=sys.stderr, flush=True)
     cluster = Cluster(config, model_dir)
-    cluster.start(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+    cluster.start(load_tokenizer(model_dir))
     try:
         app = build_app(cluster, config)
         server = DrainingServer(uvicorn.Config(app, host=config.api.host, port=config.api.port, log_level="warning",

@@ -35,6 +35,19 @@ def is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _read_json(p: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON: {e}") from e
+    _require(isinstance(d, dict), f"{p}: expected a JSON object")
+    return d
+
+
+def _id_list(v: Any) -> list[int]:
+    return list(v) if isinstance(v, list) else ([] if v is None else [v])
+
+
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """Rotary embedding frequency scaling, as in a Hugging Face config.json."""
@@ -153,13 +166,22 @@ class ModelConfig:
 
     @staticmethod
     def from_dir(path: str | Path) -> "ModelConfig":
-        """Read `config.json` from a checkpoint directory."""
+        """Read `config.json` from a checkpoint directory (its EOS list joined by generation_config.json's),
+        or the metadata of a `.gguf` file."""
+        if Path(path).suffix.lower() == ".gguf" and not Path(path).is_dir():
+            from mesh.core.model.gguf_file import GGUFCheckpoint, GGUFError  # numpy, no torch: only for GGUF
+
+            try:
+                return ModelConfig.from_hf(GGUFCheckpoint(path).hf_config())
+            except GGUFError as e:
+                raise ConfigError(str(e)) from None
         p = Path(path) / "config.json"
         _require(p.is_file(), f"{p}: no config.json (is this a Hugging Face checkpoint directory?)")
-        try:
-            d = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: not valid JSON: {e}") from e
+        d = _read_json(p)
+        gen = Path(path) / "generation_config.json"
+        if gen.is_file():  # a checkpoint's end-of-turn token is often listed only here
+            eos = [e for src in (d, _read_json(gen)) for e in _id_list(src.get("eos_token_id"))]
+            d = d | {"eos_token_id": list(dict.fromkeys(eos))}
         return ModelConfig.from_hf(d)
 
     def to_hf(self) -> dict[str, Any]:

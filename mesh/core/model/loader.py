@@ -1,13 +1,15 @@
-"""Load a layer range of a Hugging Face safetensors checkpoint, by name, and nothing more.
+"""Load a layer range of a Hugging Face safetensors checkpoint (or a GGUF file), by name, and nothing more.
 
 The range is built on the meta device; each of its parameters is read from the
 memory-mapped checkpoint by its HF name and assigned in place, so a half-model
 station holds about half the weights. `lm_head.weight` falls back to the
-embedding when the model ties them.
+embedding when the model ties them. A `.gguf` file is read the same way, through
+mesh.core.model.gguf_file (HF names, dequantized to the station's dtype).
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from mesh.core.config import ModelConfig
+from mesh.core.model.gguf_file import GGUFCheckpoint, is_gguf
 from mesh.core.model.llama import LlamaRange
 from mesh.core.torch_dtypes import TORCH_DTYPES
 
@@ -62,8 +65,19 @@ def load_range(model_dir: str | Path, cfg: ModelConfig, start: int, end: int,
     torch_dtype = TORCH_DTYPES[dtype]
     with torch.device("meta"):
         model = LlamaRange(cfg, start, end)
-    files = checkpoint_index(model_dir)
     wanted = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    read = _read_gguf if is_gguf(model_dir) else _read_safetensors
+    state, loaded = read(model_dir, cfg, wanted, torch_dtype, device)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = model.inv_freq.to(device)
+    model.eval().requires_grad_(False)
+    return model, LoadReport(tuple(sorted(loaded)), sum(t.numel() * t.element_size() for t in loaded.values()))
+
+
+def _read_safetensors(model_dir: str | Path, cfg: ModelConfig, wanted: dict[str, tuple[int, ...]],
+                      torch_dtype: torch.dtype, device: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The wanted tensors (by parameter name) and the checkpoint tensors read (by source name)."""
+    files = checkpoint_index(model_dir)
     sources = {name: _source_name(name, files, cfg) for name in wanted}
     by_file: dict[Path, list[str]] = {}
     for name, src in sources.items():
@@ -83,14 +97,27 @@ def load_range(model_dir: str | Path, cfg: ModelConfig, start: int, end: int,
                 if not t.is_floating_point():
                     raise CheckpointError(f"{path.name}: tensor {sources[name]} has non-float dtype {t.dtype}")
                 state[name] = loaded[sources[name]] = t.to(device=device, dtype=torch_dtype)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.inv_freq = model.inv_freq.to(device)
-    model.eval().requires_grad_(False)
-    read = tuple(sorted(set(sources.values())))
-    return model, LoadReport(read, sum(t.numel() * t.element_size() for t in loaded.values()))
+    return state, loaded
 
 
-def _source_name(name: str, files: dict[str, Path], cfg: ModelConfig) -> str:
+def _read_gguf(path: str | Path, cfg: ModelConfig, wanted: dict[str, tuple[int, ...]],
+               torch_dtype: torch.dtype, device: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """As _read_safetensors, from a GGUF file: only the wanted tensors are dequantized (mesh.core.model.gguf_file)."""
+    ckpt = GGUFCheckpoint(path)  # refuses an unsupported architecture or tensor type before any read
+    state: dict[str, torch.Tensor] = {}
+    loaded: dict[str, torch.Tensor] = {}
+    for name, shape in wanted.items():
+        src = _source_name(name, ckpt.tensors, cfg)
+        if src not in loaded:
+            if ckpt.shape(src) != shape:
+                raise CheckpointError(f"{ckpt.path.name}: tensor {src} has shape {list(ckpt.shape(src))}, "
+                                      f"expected {list(shape)}")
+            loaded[src] = torch.from_numpy(ckpt.read(src)).to(device=device, dtype=torch_dtype)  # HF layout
+        state[name] = loaded[src]
+    return state, loaded
+
+
+def _source_name(name: str, files: Mapping[str, object], cfg: ModelConfig) -> str:
     if name in files:
         return name
     if name == TIED_HEAD and cfg.tie_word_embeddings and EMBED in files:
