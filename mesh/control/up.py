@@ -27,16 +27,10 @@ from mesh.control.cluster_yaml import MeshConfig
 from mesh.control.targets import claim_targets, clean_stale_targets, release_targets
 from mesh.core.config import ConfigError, is_int
 from mesh.core.transport import host_port
-from mesh.core.model.tokenizer_files import chat_template as checkpoint_chat_template
-from mesh.core.model.tokenizer_files import load_tokenizer
+from mesh.core.model.tokenizer_files import chat_template, load_tokenizer
 from orchestrator.api import create_app
 from orchestrator.metrics import MetricsRegistry
 from orchestrator.openai_schema import ApiError
-
-
-def chat_template(model_dir: Path) -> str:
-    """The checkpoint's chat template: chat_template.jinja, tokenizer_config.json or GGUF metadata ('' if none)."""
-    return checkpoint_chat_template(model_dir)
 
 
 def _advertised(host: str) -> str:
