@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mesh.core.config import ApiConfig
 from mesh.core.params import SamplingParams
 from orchestrator.generation_routes import MAX_BODY_BYTES, GenerationRoutes
-from orchestrator.metrics import CONTENT_TYPE_LATEST, MetricsRegistry
+from orchestrator.metrics import CONTENT_TYPE, MetricsRegistry
 from orchestrator.openai_format import ResponseFormatter, now_s
 from orchestrator.openai_schema import ApiError, RequestParser
 from orchestrator.scheduler import AdmissionError
@@ -135,7 +135,7 @@ def _add_status_routes(app: FastAPI, engine, model_name: str, metrics: MetricsRe
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         """Prometheus text exposition of the orchestrator's metrics."""
-        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE_LATEST)
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
     status_page = STATUS_PAGE.read_text(encoding="utf-8")
 

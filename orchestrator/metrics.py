@@ -3,7 +3,8 @@
 MetricsRegistry is the orchestrator's: gauges and counters mapped from EngineStats at scrape
 time (a custom collector, so no Prometheus call lives in scheduling logic), per-request
 counters and histograms observed by the API layer from a RequestRecord when a request ends,
-and wave histograms fed by `observe_wave`. A station process's metrics are station/metrics.py's.
+and wave histograms fed by `observe_wave`. A station process's metrics are station/metrics.py's,
+which also holds the name prefix and the exposition both endpoints serve.
 Neither exposes a `_created` series: prometheus_client adds one per Counter and Histogram (a
 creation timestamp), so those live in an inner registry read through `_WithoutCreated`.
 """
@@ -14,16 +15,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest)
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from station.metrics import PREFIX
+from station.metrics import CONTENT_TYPE, PREFIX, exposition
 
 if TYPE_CHECKING:
     from orchestrator.scheduler_types import EngineStats
 
-__all__ = ["CONTENT_TYPE_LATEST", "MetricsRegistry", "RequestRecord"]
+__all__ = ["CONTENT_TYPE", "MetricsRegistry", "RequestRecord"]
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -154,5 +155,5 @@ class MetricsRegistry:
         self.wave_duration.observe(seconds)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of this registry."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of this registry (station.metrics.exposition, served as CONTENT_TYPE)."""
+        return exposition(self.registry)

@@ -1,14 +1,28 @@
 """A station process's Prometheus metrics: Station.stats() (and the server's wire byte counts) mapped at
-scrape time, in a private registry, labelled by station and layer range. PREFIX is every wavemesh series'."""
+scrape time, in a private registry, labelled by station and layer range.
+
+PREFIX is every wavemesh series', and `exposition` is how every wavemesh endpoint (this one and the
+orchestrator's /metrics) renders a registry. Names carry no colon, and the answer is always the text format
+0.0.4 whatever the scraper's Accept header: prometheus_client's OpenMetrics answer rewrites a colon to `_` in
+sample names (`escaping=underscores`, and only in the samples), so a name with one would be stored under two
+spellings depending on how it was scraped. Colons are Prometheus' mark for recording rules anyway."""
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-PREFIX = "wavemesh:"
+PREFIX = "wavemesh_"
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what `exposition` renders, for the Content-Type header
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """`registry` in the Prometheus text format 0.0.4 (served as CONTENT_TYPE by every wavemesh endpoint)."""
+    return generate_latest(registry)
 
 
 class _StationCollector(Collector):
@@ -55,10 +69,29 @@ class StationMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this station's metrics."""
-        return generate_latest(self.registry)
+        return exposition(self.registry)
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0):
-        """Serve this registry over HTTP (any path, e.g. /metrics) on host:port (0 = a free port) from a
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
+        """Serve `render()` over HTTP (any GET path, e.g. /metrics) on host:port (0 = a free port) from a
         daemon thread; returns the server: `.server_port` is the bound port, `.shutdown()` stops it."""
-        httpd, _ = start_http_server(port, addr=host, registry=self.registry)
+        httpd = ThreadingHTTPServer((host, port), _MetricsHandler)
+        httpd.daemon_threads = True
+        httpd.render = self.render
+        threading.Thread(target=httpd.serve_forever, name="station-metrics", daemon=True).start()
         return httpd
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """GET (any path) answers the server's `render()` as CONTENT_TYPE; nothing is logged per scrape."""
+
+    def do_GET(self) -> None:  # noqa: N802 - the name http.server dispatches to
+        """One scrape: the exposition, whatever the Accept header asked for."""
+        body = self.server.render()
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class' signature
+        """Quiet: a scrape every few seconds is not news."""

@@ -1,8 +1,17 @@
-"""Shared fixtures: synthetic checkpoints written once per test session (no network)."""
+"""Shared fixtures: synthetic checkpoints written once per test session (no network), a local Ray per module,
+and a 2-station `mesh up` per module."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
+from types import SimpleNamespace
 
+import httpx
 import pytest
 
 from mesh.core.model.synthetic import init_model
@@ -43,3 +52,55 @@ def local_ray():
             time.sleep(5)
     yield ray
     ray.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """A function returning a TCP port free on loopback right now (for servers a test starts)."""
+    return _free_port
+
+
+@pytest.fixture(scope="module")
+def mesh_up(tmp_path_factory, tiny_llama):
+    """`mesh up` of a 2-station tiny llama with an API key and a targets file, for one test module; stopped by
+    SIGTERM. Yields url, key, targets (the file_sd path) and client (an httpx.Client sending the key)."""
+    tmp = tmp_path_factory.mktemp("mesh-up")
+    port, key = _free_port(), "page-key"
+    targets = tmp / "prom" / "targets.json"
+    cfg = tmp / "two.yaml"
+    cfg.write_text(f"model: {{path: {tiny_llama}}}\nstations:\n  - {{layers: [0, 3]}}\n  - {{layers: [3, 6]}}\n"
+                   f"scheduler: {{max_seqs: 16, max_wave_tokens: 64}}\n"
+                   f"api: {{host: 127.0.0.1, port: {port}, api_key: {key}}}\n"
+                   f"cluster: {{targets_file: {targets}}}\n")
+    env = dict(os.environ, WAVEMESH_CACHE=str(tmp / "cache"), RAY_AUTH_MODE="disabled")
+    log = open(tmp / "mesh-up.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mesh.control.cli", "up", str(cfg)], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp / "mesh-up.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "mesh up never became healthy"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.5)
+        client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        yield SimpleNamespace(url=url, key=key, targets=targets, client=client)
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
+    assert proc.returncode == 0, (tmp / "mesh-up.log").read_text()[-3000:]

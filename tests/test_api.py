@@ -222,7 +222,7 @@ def test_queue_full_is_503_with_retry_after(tiny_llama):
             assert r.json()["error"]["code"] == "queue_full"
             assert httpx.get(base + "/health", timeout=T).status_code == 503  # the probe cannot get in either
             metrics = httpx.get(base + "/metrics", timeout=T).text
-            assert 'wavemesh:requests_rejected_total{reason="queue_full"}' in metrics
+            assert 'wavemesh_requests_rejected_total{reason="queue_full"}' in metrics
             for h in hogs:
                 eng.cancel(h.request_id)
             _ok(base)
@@ -291,14 +291,14 @@ def test_100_streams_10_disconnect_and_metrics_agree(url, engine):
     def delta(name, **labels):
         return _total(after, name, **labels) - _total(before, name, **labels)
 
-    assert delta("wavemesh:request_success_total", finished_reason="length") == 90
-    assert delta("wavemesh:request_success_total", finished_reason="cancelled") == 10
-    cancelled_tokens = delta("wavemesh:generation_tokens_total") - 900
+    assert delta("wavemesh_request_success_total", finished_reason="length") == 90
+    assert delta("wavemesh_request_success_total", finished_reason="cancelled") == 10
+    cancelled_tokens = delta("wavemesh_generation_tokens_total") - 900
     assert 10 * 2 <= cancelled_tokens < 10 * 900  # the leavers stopped early
-    assert delta("wavemesh:prompt_tokens_total") == sum(len(prompts[i % 20]) for i in range(100))
-    assert delta("wavemesh:time_to_first_token_seconds_count") == 100
-    assert delta("wavemesh:inter_token_latency_seconds_count") >= 90 * 9
-    assert after[("wavemesh:num_requests_running", ())] == 0 and after[("wavemesh:kv_cache_usage_perc", ())] == 0
+    assert delta("wavemesh_prompt_tokens_total") == sum(len(prompts[i % 20]) for i in range(100))
+    assert delta("wavemesh_time_to_first_token_seconds_count") == 100
+    assert delta("wavemesh_inter_token_latency_seconds_count") >= 90 * 9
+    assert after[("wavemesh_num_requests_running", ())] == 0 and after[("wavemesh_kv_cache_usage_perc", ())] == 0
 
 
 def test_non_streaming_client_that_leaves_cancels(url, engine):
@@ -328,11 +328,11 @@ def test_metrics_counters_match_responses(url, client):
     assert bad.status_code == 400
     after = _metrics(url)
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    assert delta[("wavemesh:generation_tokens_total", ())] == reported
-    assert _total(after, "wavemesh:request_success_total") - _total(before, "wavemesh:request_success_total") == choices
-    assert delta[("wavemesh:e2e_request_latency_seconds_count", ())] == 5
-    assert delta[("wavemesh:requests_rejected_total", (("reason", "invalid"),))] == 1
-    for name in ("wavemesh:num_requests_waiting", "wavemesh:wave_tokens_count", "wavemesh:num_preemptions_total"):
+    assert delta[("wavemesh_generation_tokens_total", ())] == reported
+    assert _total(after, "wavemesh_request_success_total") - _total(before, "wavemesh_request_success_total") == choices
+    assert delta[("wavemesh_e2e_request_latency_seconds_count", ())] == 5
+    assert delta[("wavemesh_requests_rejected_total", (("reason", "invalid"),))] == 1
+    for name in ("wavemesh_num_requests_waiting", "wavemesh_wave_tokens_count", "wavemesh_num_preemptions_total"):
         assert any(k[0] == name for k in after), name
 
 
@@ -371,10 +371,35 @@ def test_station_metrics_render(tiny_llama):
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for fam in text_string_to_metric_families(text) for s in fam.samples}
     lab = (("layers", "0-6"), ("station", "s0"))
-    assert samples[("wavemesh:station_kv_bytes_used", lab)] == 0
-    assert samples[("wavemesh:station_kv_bytes_total", lab)] > 0
-    assert samples[("wavemesh:station_wire_bytes_total", tuple(sorted(lab + (("direction", "out"),))))] == 4096
-    assert ("wavemesh:station_forward_seconds_total", tuple(sorted(lab + (("phase", "decode"),)))) in samples
+    assert samples[("wavemesh_station_kv_bytes_used", lab)] == 0
+    assert samples[("wavemesh_station_kv_bytes_total", lab)] > 0
+    assert samples[("wavemesh_station_wire_bytes_total", tuple(sorted(lab + (("direction", "out"),))))] == 4096
+    assert ("wavemesh_station_forward_seconds_total", tuple(sorted(lab + (("phase", "decode"),)))) in samples
+
+
+# what Prometheus 2.x and 3.x send: OpenMetrics first (prometheus_client would then answer with colons escaped)
+SCRAPER_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                  "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+                  "application/openmetrics-text;version=1.0.0;escaping=underscores;q=0.6,"
+                  "text/plain;version=1.0.0;escaping=underscores;q=0.5,*/*;q=0.1", None)
+
+
+def test_every_metrics_endpoint_answers_text_0_0_4_whatever_the_scraper_asks(url, tiny_llama):
+    """The orchestrator's /metrics and a station's endpoint answer the same names, none with a colon, in the
+    text format 0.0.4 to an OpenMetrics Accept header too: Prometheus stores one spelling (issue 17 item 11)."""
+    endpoint = StationMetrics(Station(tiny_llama, StationSpec(layers=(0, 6)))).serve()
+    try:
+        for base in (url, f"http://127.0.0.1:{endpoint.server_port}"):
+            names = []
+            for accept in SCRAPER_ACCEPT:
+                r = httpx.get(base + "/metrics", headers={"Accept": accept} if accept else {}, timeout=T)
+                assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+                names.append({s.name for fam in text_string_to_metric_families(r.text) for s in fam.samples})
+            assert names[0] == names[1] == names[2] and names[0], base
+            assert all(n.startswith("wavemesh_") and ":" not in n for n in names[0]), sorted(names[0])
+    finally:
+        endpoint.shutdown()
+        endpoint.server_close()
 
 
 def test_request_record_feeds_histograms():
@@ -384,7 +409,7 @@ def test_request_record_feeds_histograms():
     reg.observe_request(RequestRecord(5, 3, ("stop",), 0.01, 0.2, None, (0.01, 0.02)))
     reg.observe_wave(12, 12 / 512, 0.004)
     fams = {f.name: f for f in text_string_to_metric_families(reg.render().decode())}
-    assert fams["wavemesh:generation_tokens"].samples[0].value == 3
-    assert {s.name: s.value for s in fams["wavemesh:inter_token_latency_seconds"].samples}[
-        "wavemesh:inter_token_latency_seconds_count"] == 2
-    assert {s.name: s.value for s in fams["wavemesh:wave_tokens"].samples}["wavemesh:wave_tokens_sum"] == 12
+    assert fams["wavemesh_generation_tokens"].samples[0].value == 3
+    assert {s.name: s.value for s in fams["wavemesh_inter_token_latency_seconds"].samples}[
+        "wavemesh_inter_token_latency_seconds_count"] == 2
+    assert {s.name: s.value for s in fams["wavemesh_wave_tokens"].samples}["wavemesh_wave_tokens_sum"] == 12

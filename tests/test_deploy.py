@@ -25,7 +25,7 @@ from station.step import Station
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
-NAME = re.compile(r"wavemesh:[A-Za-z0-9_:]+")
+NAME = re.compile(r"wavemesh_[A-Za-z0-9_]+")
 
 
 def _dashboard() -> dict:
@@ -57,7 +57,7 @@ def _exported_names(model_dir) -> set[str]:
 
 
 # every sample name /metrics of the orchestrator and of a station exposes: the names dashboards and alerts use
-EXPORTED = {f"wavemesh:{n}" for n in (
+EXPORTED = {f"wavemesh_{n}" for n in (
     *(f"{h}_{part}" for h in ("e2e_request_latency_seconds", "inter_token_latency_seconds",
                               "request_queue_time_seconds", "time_to_first_token_seconds", "wave_duration_seconds",
                               "wave_occupancy", "wave_tokens") for part in ("bucket", "count", "sum")),
@@ -91,10 +91,10 @@ def test_dashboard_has_the_panels_operators_need():
     exprs = "\n".join(_exprs(_dashboard()))
     for q in ("0.5", "0.99"):
         for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
-            assert re.search(rf"histogram_quantile\({q}, sum by \(le\) \(rate\(wavemesh:{hist}_bucket\[", exprs), (q, hist)
-    for needle in ("rate(wavemesh:generation_tokens_total[", "wavemesh:num_requests_running",
-                   "wavemesh:num_requests_waiting", "wavemesh:wave_occupancy_", "wavemesh:station_kv_bytes_used",
-                   "wavemesh:station_kv_bytes_total", "wavemesh:station_forward_seconds_total"):
+            assert re.search(rf"histogram_quantile\({q}, sum by \(le\) \(rate\(wavemesh_{hist}_bucket\[", exprs), (q, hist)
+    for needle in ("rate(wavemesh_generation_tokens_total[", "wavemesh_num_requests_running",
+                   "wavemesh_num_requests_waiting", "wavemesh_wave_occupancy_", "wavemesh_station_kv_bytes_used",
+                   "wavemesh_station_kv_bytes_total", "wavemesh_station_forward_seconds_total"):
         assert needle in exprs, needle
     assert "by (station, layers" in exprs  # per-station panels keep the station apart
 

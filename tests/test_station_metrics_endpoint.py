@@ -45,8 +45,8 @@ def test_station_actor_serves_metrics_with_wire_bytes(tiny_llama, actors):
     assert [link.describe()["metrics_address"] for link in links] == [first.metrics_address(), last.metrics_address()]
     before = _samples(first.metrics_address())
     lab0 = (("layers", "0-2"), ("station", "s0"))
-    assert before[("wavemesh:station_wire_bytes_total", tuple(sorted(lab0 + (("direction", "in"),))))] == 0
-    assert before[("wavemesh:station_kv_bytes_total", lab0)] == 16 * 2**20
+    assert before[("wavemesh_station_wire_bytes_total", tuple(sorted(lab0 + (("direction", "in"),))))] == 0
+    assert before[("wavemesh_station_kv_bytes_total", lab0)] == 16 * 2**20
     engine = Engine(links, cfg, SchedulerConfig(max_seqs=4, max_wave_tokens=64))
     try:
         out = engine.submit([1, 5, 9, 13], SamplingParams(max_tokens=5, ignore_eos=True)).result(timeout=60)[0]
@@ -58,17 +58,17 @@ def test_station_actor_serves_metrics_with_wire_bytes(tiny_llama, actors):
     for a, (start, end) in ((first, (0, 2)), (last, (2, 6))):
         lab = (("layers", f"{start}-{end}"), ("station", f"s{start}"))
         s = _samples(a.metrics_address())
-        wire = {d: s[("wavemesh:station_wire_bytes_total", tuple(sorted(lab + (("direction", d),))))]
+        wire = {d: s[("wavemesh_station_wire_bytes_total", tuple(sorted(lab + (("direction", d),))))]
                 for d in ("in", "out")}
         assert wire["in"] > 0 and wire["out"] > 0, wire
         assert a.server.servicer.wire_bytes == {k: int(v) for k, v in wire.items()}
-        forward = sum(s[("wavemesh:station_forward_seconds_total", tuple(sorted(lab + (("phase", p),))))]
+        forward = sum(s[("wavemesh_station_forward_seconds_total", tuple(sorted(lab + (("phase", p),))))]
                       for p in ("prefill", "decode"))
-        assert forward > 0 and s[("wavemesh:station_forwards_total", lab)] >= 5
+        assert forward > 0 and s[("wavemesh_station_forwards_total", lab)] >= 5
     # the first station sends hidden rows on: far more bytes out than the token ids it receives
     s0 = _samples(first.metrics_address())
-    assert (s0[("wavemesh:station_wire_bytes_total", tuple(sorted(lab0 + (("direction", "out"),))))]
-            > s0[("wavemesh:station_wire_bytes_total", tuple(sorted(lab0 + (("direction", "in"),))))])
+    assert (s0[("wavemesh_station_wire_bytes_total", tuple(sorted(lab0 + (("direction", "out"),))))]
+            > s0[("wavemesh_station_wire_bytes_total", tuple(sorted(lab0 + (("direction", "in"),))))])
 
 
 def test_shutdown_stops_the_metrics_endpoint(tiny_llama):

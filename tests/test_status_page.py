@@ -2,15 +2,11 @@
 endpoints of the orchestrator and of every station, and the file_sd targets file kept across growth."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -32,12 +28,6 @@ from station.step import Station
 KEY = "page-key"
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the route and its key, in-process -----------------------------------------------------------
@@ -69,46 +59,7 @@ def test_page_route_and_query_key(tiny_llama, api_key):
         engine.close()
 
 
-# ---- a 2-station `mesh up` -----------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory, tiny_llama):
-    """`mesh up` of a 2-station tiny llama with an API key and a targets file; stopped by SIGTERM."""
-    tmp = tmp_path_factory.mktemp("status-page")
-    port = _free_port()
-    targets = tmp / "prom" / "targets.json"
-    cfg = tmp / "two.yaml"
-    cfg.write_text(f"model: {{path: {tiny_llama}}}\nstations:\n  - {{layers: [0, 3]}}\n  - {{layers: [3, 6]}}\n"
-                   f"scheduler: {{max_seqs: 16, max_wave_tokens: 64}}\n"
-                   f"api: {{host: 127.0.0.1, port: {port}, api_key: {KEY}}}\n"
-                   f"cluster: {{targets_file: {targets}}}\n")
-    env = dict(os.environ, WAVEMESH_CACHE=str(tmp / "cache"), RAY_AUTH_MODE="disabled")
-    log = open(tmp / "mesh-up.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mesh.control.cli", "up", str(cfg)], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp / "mesh-up.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "mesh up never became healthy"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.5)
-        client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
-        yield type("Mesh", (), {"url": url, "targets": targets, "client": client})
-        client.close()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        log.close()
-    assert proc.returncode == 0, (tmp / "mesh-up.log").read_text()[-3000:]
-
+# ---- a 2-station `mesh up` (tests/conftest.py's mesh_up) ---------------------------------------------
 
 def _families(text: str) -> dict[str, list]:
     """{sample name: [samples]} of a Prometheus text exposition (it must parse)."""
@@ -119,19 +70,19 @@ def _families(text: str) -> dict[str, list]:
     return out
 
 
-def _complete(mesh, n: int = 4, max_tokens: int = 8) -> None:
+def _complete(mesh_up, n: int = 4, max_tokens: int = 8) -> None:
     for i in range(n):
-        r = mesh.client.post("/v1/completions", json={"prompt": [1, 5 + i, 9], "max_tokens": max_tokens,
+        r = mesh_up.client.post("/v1/completions", json={"prompt": [1, 5 + i, 9], "max_tokens": max_tokens,
                                                         "ignore_eos": True})
         assert r.status_code == 200, r.text
 
 
-def test_metrics_of_orchestrator_and_every_station_parse(mesh):
-    _complete(mesh)
-    orch = _families(httpx.get(mesh.url + "/metrics", timeout=30).text)
-    assert orch["wavemesh:generation_tokens_total"][0].value >= 32
-    assert orch["wavemesh:time_to_first_token_seconds_count"][0].value >= 4
-    status = mesh.client.get("/v1/status").json()
+def test_metrics_of_orchestrator_and_every_station_parse(mesh_up):
+    _complete(mesh_up)
+    orch = _families(httpx.get(mesh_up.url + "/metrics", timeout=30).text)
+    assert orch["wavemesh_generation_tokens_total"][0].value >= 32
+    assert orch["wavemesh_time_to_first_token_seconds_count"][0].value >= 4
+    status = mesh_up.client.get("/v1/status").json()
     assert [s["layers"] for s in status["stations"]] == [[0, 3], [3, 6]]
     exported = set(orch)
     for st in status["stations"]:
@@ -141,16 +92,16 @@ def test_metrics_of_orchestrator_and_every_station_parse(mesh):
         a, b = st["layers"]
         labels = {"station": f"s{a}", "layers": f"{a}-{b}"}
         mine = lambda name: [s for s in fams[name] if all(s.labels[k] == v for k, v in labels.items())]  # noqa: E731
-        assert sum(s.value for s in mine("wavemesh:station_forward_seconds_total")) > 0
-        wire = {s.labels["direction"]: s.value for s in mine("wavemesh:station_wire_bytes_total")}
+        assert sum(s.value for s in mine("wavemesh_station_forward_seconds_total")) > 0
+        wire = {s.labels["direction"]: s.value for s in mine("wavemesh_station_wire_bytes_total")}
         assert wire["in"] > 0 and wire["out"] > 0, wire
-        assert mine("wavemesh:station_kv_bytes_total")[0].value > 0
-        assert mine("wavemesh:station_kv_bytes_total")[0].value == st["kv_bytes_total"]
-        assert "wavemesh:station_kv_bytes_used" in fams and "wavemesh:station_sequences" in fams
+        assert mine("wavemesh_station_kv_bytes_total")[0].value > 0
+        assert mine("wavemesh_station_kv_bytes_total")[0].value == st["kv_bytes_total"]
+        assert "wavemesh_station_kv_bytes_used" in fams and "wavemesh_station_sequences" in fams
     # every series the Grafana dashboard queries is exported by these live processes
     dashboard = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
     wanted = {n for p in dashboard["panels"] for t in p["targets"]
-              for n in re.findall(r"wavemesh:[A-Za-z0-9_:]+", t["expr"])}
+              for n in re.findall(r"wavemesh_[A-Za-z0-9_]+", t["expr"])}
     assert wanted and wanted <= exported, sorted(wanted - exported)
 
 
@@ -198,8 +149,8 @@ def _render(url: str, budget_ms: int = 4000) -> _Dom:
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium not found (install Debian's `chromium`: make deps)")
-def test_page_in_chromium_shows_the_route_and_busy_lanes(mesh):
-    page_url = f"{mesh.url}/?key={KEY}"
+def test_page_in_chromium_shows_the_route_and_busy_lanes(mesh_up):
+    page_url = f"{mesh_up.url}/?key={mesh_up.key}"
     idle = _render(page_url)
     assert idle.values["error"] == "", idle.values["error"]
     assert [(s["index"], s["layers"]) for s in idle.stations] == [("0", "0-3"), ("1", "3-6")]
@@ -211,7 +162,7 @@ def test_page_in_chromium_shows_the_route_and_busy_lanes(mesh):
 
     def stream(i: int) -> None:
         body = {"prompt": [1, 7 + i, 30 + i], "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        with mesh.client.stream("POST", "/v1/completions", json=body, timeout=120) as r:
+        with mesh_up.client.stream("POST", "/v1/completions", json=body, timeout=120) as r:
             streams.append(r.status_code)
             for _ in r.iter_lines():
                 if stop.is_set():
@@ -222,11 +173,11 @@ def test_page_in_chromium_shows_the_route_and_busy_lanes(mesh):
         t.start()
     try:
         deadline = time.monotonic() + 60
-        while mesh.client.get("/v1/status").json()["engine"]["running"] < 4:
+        while mesh_up.client.get("/v1/status").json()["engine"]["running"] < 4:
             assert time.monotonic() < deadline, "the requests never started running"
             time.sleep(0.1)
         busy = _render(page_url, budget_ms=3000)
-        assert mesh.client.get("/v1/status").json()["engine"]["running"] > 0, "requests ended during the render"
+        assert mesh_up.client.get("/v1/status").json()["engine"]["running"] > 0, "requests ended during the render"
     finally:
         stop.set()
         for t in threads:
@@ -236,7 +187,7 @@ def test_page_in_chromium_shows_the_route_and_busy_lanes(mesh):
     assert float(busy.values["peak-tokens-per-s"]) >= float(busy.values["tokens-per-s"]) > 0
     assert int(busy.values["waves-in-flight"]) >= 0 and len(busy.stations) == 2
     deadline = time.monotonic() + 60  # the closed streams were cancelled: their lanes free up
-    while mesh.client.get("/v1/status").json()["engine"]["running"]:
+    while mesh_up.client.get("/v1/status").json()["engine"]["running"]:
         assert time.monotonic() < deadline, "cancelled streams kept running"
         time.sleep(0.2)
 
@@ -247,25 +198,25 @@ def _station_groups(targets: Path) -> list[dict]:
     return [g for g in groups if g["labels"]["job"] == "wavemesh-station"]
 
 
-def test_targets_file_follows_the_route(mesh):
+def test_targets_file_follows_the_route(mesh_up):
     """Written at start, rewritten (atomically: no temp file left) after /admin/scale; this test runs last."""
-    groups = json.loads(mesh.targets.read_text())
-    port = mesh.url.rsplit(":", 1)[1]
+    groups = json.loads(mesh_up.targets.read_text())
+    port = mesh_up.url.rsplit(":", 1)[1]
     assert groups[0] == {"targets": [f"127.0.0.1:{port}"], "labels": {"job": "wavemesh-orchestrator"}}
 
     def expected():
         return [{"targets": [s["metrics_address"]], "labels": {
             "job": "wavemesh-station", "station_index": str(s["index"]), "layers": "%d-%d" % tuple(s["layers"])}}
-            for s in mesh.client.get("/v1/status").json()["stations"]]
+            for s in mesh_up.client.get("/v1/status").json()["stations"]]
 
-    assert _station_groups(mesh.targets) == expected() and len(expected()) == 2
-    r = mesh.client.post("/admin/scale", json={"stations": 3}, timeout=300)
+    assert _station_groups(mesh_up.targets) == expected() and len(expected()) == 2
+    r = mesh_up.client.post("/admin/scale", json={"stations": 3}, timeout=300)
     assert r.status_code == 200, r.text
-    after = _station_groups(mesh.targets)
+    after = _station_groups(mesh_up.targets)
     assert after == expected() and len(after) == 3
     bounds = [tuple(map(int, g["labels"]["layers"].split("-"))) for g in after]
     assert bounds[0][0] == 0 and bounds[-1][1] == 6 and all(x[1] == y[0] for x, y in zip(bounds, bounds[1:]))
     # no temp file left; beside the targets only the owner record (mesh/control/targets.py)
-    assert sorted(os.listdir(mesh.targets.parent)) == ["targets.json", "targets.json.owner"]
+    assert sorted(os.listdir(mesh_up.targets.parent)) == ["targets.json", "targets.json.owner"]
     for g in after:  # every listed endpoint answers
         assert httpx.get(f"http://{g['targets'][0]}/metrics", timeout=30).status_code == 200
