@@ -21,11 +21,16 @@ $(BIN)/.installed: pyproject.toml
 run: $(BIN)/.installed
 	$(BIN)/mesh up
 
-# the status-page test drives headless Chromium (Debian's `chromium`); installed once, as root, if missing
+# the status-page test drives headless Chromium (Debian's `chromium`), the real-Prometheus test runs Debian's
+# `prometheus` (prometheus and promtool; --no-install-recommends: not its node exporter); each installed once,
+# as root, if missing
 deps:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || \
 	  echo "deps: chromium is missing and could not be installed (needs root and apt-get); the browser test will skip"
+	@command -v prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; } || \
+	  echo "deps: prometheus is missing and could not be installed (needs root and apt-get); the real-Prometheus test will skip"
 
 test: $(BIN)/.installed deps
 	$(BIN)/python -m pytest
