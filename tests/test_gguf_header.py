@@ -99,6 +99,14 @@ def test_a_header_cut_inside_the_vocabulary_is_refused(tmp_path):
         GGUFCheckpoint(_bytes(tmp_path / "text.gguf", b"hello, not a model at all" * 4))
 
 
+def test_a_quantized_row_that_is_not_whole_blocks_is_refused_on_open(tmp_path):
+    data = bytearray(_write(tmp_path / "whole.gguf").read_bytes())
+    dims = data.index(b"t.Q8_0") + len(b"t.Q8_0") + 4  # after the name: n_dims (u32), then the row length (u64)
+    data[dims:dims + 8] = (48).to_bytes(8, "little")
+    with pytest.raises(GGUFError, match=r"rows\.gguf: .*tensor t\.Q8_0: rows of 48 values are not whole Q8_0 blocks"):
+        GGUFCheckpoint(_bytes(tmp_path / "rows.gguf", bytes(data)))
+
+
 def _bytes(path, data: bytes):
     path.write_bytes(data)
     return path

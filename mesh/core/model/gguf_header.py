@@ -193,6 +193,9 @@ class GGUFHeader:
             except ValueError:
                 raise HeaderError(f"tensor {name}: unknown tensor type id {raw_type}") from None
             block, size = GGML_QUANT_SIZES[qtype]
+            if dims and dims[0] % block:
+                raise HeaderError(f"tensor {name}: rows of {dims[0]} values are not whole {qtype.name} blocks "
+                                  f"of {block}")
             n = int(np.prod(dims, dtype=np.int64)) if dims else 1
             tensors.append(TensorInfo(name, qtype, tuple(int(d) for d in dims), start + offset, n * size // block))
         return tensors, pos
