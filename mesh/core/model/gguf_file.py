@@ -1,6 +1,7 @@
 """A GGUF checkpoint (llama.cpp's single-file format) read as a Hugging Face one, tensor by tensor.
 
-The file is memory-mapped by the `gguf` package; nothing is read until a tensor is asked for by its
+The header is read by mesh.core.model.gguf_header (once per process and file; the tokenizer's string
+arrays only when asked for) and the file memory-mapped; nothing is read until a tensor is asked for by its
 HF name (`model.layers.17.self_attn.q_proj.weight`), so a station touches only its own layers' pages.
 A tensor comes back dequantized to float32 and in the HF layout: llama.cpp's converter renames every
 tensor and, for the llama architecture, reorders the rows of q_proj and k_proj within each head (it
@@ -17,8 +18,10 @@ from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, ReaderTensor
-from gguf.quants import dequantize
+from gguf import GGUFReader
+
+from mesh.core.model.gguf_dequant import dequantize_f32
+from mesh.core.model.gguf_header import HeaderError, TensorInfo, read_header
 
 GGUF_ARCHS = ("llama", "qwen2")  # general.architecture values this runtime runs (mistral GGUFs say llama)
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
@@ -34,20 +37,6 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # the published Llama 3.1 / 3.2 parameters are recognised from it: (factor, low, high, original context)
 _LLAMA3_SCALINGS = ((8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (16.0, 1.0, 4.0, 8192))
 ROPE_FREQS = "rope_freqs.weight"
-
-
-class _PlainReader(GGUFReader):
-    """GGUFReader over a plain ndarray view of its memory map: the same lazily paged bytes, without
-    numpy.memmap's bookkeeping on every slice (half the time of parsing a 49k-token vocabulary)."""
-
-    @property
-    def data(self) -> np.ndarray:
-        """The whole file as bytes (memory-mapped)."""
-        return self._bytes
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._bytes = value.view(np.ndarray)
 
 
 class GGUFError(ValueError):
@@ -108,16 +97,16 @@ class GGUFCheckpoint:
         if not self.path.is_file():
             raise GGUFError(f"{self.path}: no such GGUF file")
         try:
-            self.reader = _PlainReader(self.path, "r")
-        except (ValueError, IndexError, OverflowError, KeyError, TypeError) as e:
+            self.header = read_header(self.path)
+        except (HeaderError, ValueError, OSError) as e:
             raise GGUFError(f"{self.path}: not a complete GGUF file (truncated or corrupt): {e}") from None
         self.arch = self.meta("general.architecture")
         if self.arch not in GGUF_ARCHS:
             raise GGUFError(f"{self.path}: general.architecture: unsupported architecture {self.arch!r}; "
                             f"supported: {', '.join(GGUF_ARCHS)}")
-        size = self.path.stat().st_size
-        self.tensors: dict[str, ReaderTensor] = {}
-        for t in self.reader.tensors:
+        size = len(self.header.data)
+        self.tensors: dict[str, TensorInfo] = {}
+        for t in self.header.tensors:
             if t.tensor_type not in SUPPORTED_TYPES:
                 raise GGUFError(f"{self.path}: tensor {t.name}: unsupported tensor type {t.tensor_type.name}; "
                                 f"supported: {', '.join(q.name for q in SUPPORTED_TYPES)}")
@@ -130,10 +119,17 @@ class GGUFCheckpoint:
             elif t.name != ROPE_FREQS:
                 raise GGUFError(f"{self.path}: tensor {t.name}: not a tensor of the {self.arch} architecture")
 
+    @property
+    def reader(self) -> GGUFReader:
+        """The `gguf` package's full reader of the file (every field as numpy parts: slow; for tools and tests)."""
+        return GGUFReader(self.path, "r")
+
     def meta(self, key: str, default: Any = None) -> Any:
         """The value of metadata `key` (a str, number, bool or list), or `default` when absent."""
-        field = self.reader.get_field(key)
-        return default if field is None else field.contents()
+        try:
+            return self.header.value(key, default)
+        except HeaderError as e:
+            raise GGUFError(f"{self.path}: {e}") from None
 
     def _arch_meta(self, key: str, default: Any = None) -> Any:
         v = self.meta(f"{self.arch}.{key}", default)
@@ -155,8 +151,7 @@ class GGUFCheckpoint:
         if rot != head_dim:
             raise GGUFError(f"{self.path}: {self.arch}.rope.dimension_count: partial rotary ({rot} of {head_dim}) "
                             "is not supported")
-        tokens = self.meta("tokenizer.ggml.tokens")
-        vocab = self._arch_meta("vocab_size") or (len(tokens) if tokens else None) \
+        vocab = self._arch_meta("vocab_size") or self.header.length("tokenizer.ggml.tokens") \
             or int(self._tensor("model.embed_tokens.weight").shape[1])
         eos = [self.meta(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
         d: dict[str, Any] = {
@@ -178,7 +173,7 @@ class GGUFCheckpoint:
 
     def _rope_scaling(self, head_dim: int) -> dict[str, Any] | None:
         kind = self._arch_meta("rope.scaling.type")
-        if ROPE_FREQS in {t.name for t in self.reader.tensors}:
+        if any(t.name == ROPE_FREQS for t in self.header.tensors):
             return self._llama3_scaling(head_dim)
         if kind in (None, "none"):
             return None
@@ -187,8 +182,8 @@ class GGUFCheckpoint:
         return {"rope_type": "linear", "factor": float(self._arch_meta("rope.scaling.factor", 1.0))}
 
     def _llama3_scaling(self, head_dim: int) -> dict[str, Any]:
-        t = next(t for t in self.reader.tensors if t.name == ROPE_FREQS)
-        divisors = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)  # [D/2]
+        t = next(t for t in self.header.tensors if t.name == ROPE_FREQS)
+        divisors = dequantize_f32(self.header.tensor_bytes(t), t.tensor_type).astype(np.float64).reshape(-1)  # [D/2]
         theta = float(self._arch_meta("rope.freq_base", 10000.0))
         wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)  # [D/2]
         for factor, low, high, orig in _LLAMA3_SCALINGS:
@@ -200,14 +195,14 @@ class GGUFCheckpoint:
         raise GGUFError(f"{self.path}: tensor {ROPE_FREQS}: rope frequency factors that match no known llama3 "
                         "scaling are not supported")
 
-    def _tensor(self, name: str) -> ReaderTensor:
+    def _tensor(self, name: str) -> TensorInfo:
         if name not in self.tensors:
             raise GGUFError(f"{self.path}: missing tensor for {name!r}")
         return self.tensors[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The HF shape of tensor `name` (GGUF lists dimensions innermost first)."""
-        return tuple(int(x) for x in reversed(self._tensor(name).shape))
+        return self._tensor(name).hf_shape
 
     def type_name(self, name: str) -> str:
         """The GGML type of tensor `name` (F32, Q4_K, ...)."""
@@ -216,9 +211,7 @@ class GGUFCheckpoint:
     def read(self, name: str) -> np.ndarray:
         """Tensor `name` dequantized to float32, in the Hugging Face layout (q/k rows un-permuted)."""
         t = self._tensor(name)
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(self.shape(name))
-        if not w.flags.writeable:  # F32 comes back as a view of the read-only map: the station gets its own copy
-            w = w.copy()
+        w = dequantize_f32(self.header.tensor_bytes(t), t.tensor_type).reshape(t.hf_shape)  # a new array
         if self.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = self._arch_meta("attention.head_count")
             w = unpermute_rows(w, heads if ".q_proj." in name else self._arch_meta("attention.head_count_kv", heads))
