@@ -1,7 +1,7 @@
 """Station step benchmark: decode tok/s of one full-model station vs Hugging Face `generate`, and the roofline.
 
     python bench/step.py [--model DIR] [--batches 1,4,16,32] [--prompt-len 64] [--steps 32] [--repeats 3]
-                         [--dtype float32] [--device cpu] [--threads N] [--no-hf] [--quick]
+                         [--dtype float32] [--device cpu] [--threads N] [--no-hf] [--quick] [--profile]
     mesh bench step ...  (same arguments)
 
 Both sides time decode only: our station prefills B prompts in one wave (which yields the first token)
@@ -33,6 +33,7 @@ from mesh.core.params import SamplingParams
 from mesh.core.wave import WaveEntry
 from station.kv import DEFAULT_BLOCK_TOKENS, blocks_for
 from station.step import Station
+from step_profile import format_profile, profile_decode  # bench/ is on sys.path when a bench script runs
 
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 
@@ -46,12 +47,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="tokens generated per sequence (N >= 2)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
-    p.add_argument("--linear-backend", default="auto", choices=["aten", "onednn", "auto"],
+    p.add_argument("--linear-backend", default="auto", choices=["aten", "onednn", "packed", "auto"],
                    help="the station's matmul kernel (StationSpec.linear_backend)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     p.add_argument("--quick", action="store_true", help="batches 1,4; steps 8; repeats 1")
+    p.add_argument("--profile", action="store_true",
+                   help="also print where a decode step's time goes (linears, attention, sampling, other ops)")
     a = p.parse_args(argv)
     if a.quick:
         a.batches, a.steps, a.repeats = "1,4", 8, 1
@@ -198,6 +201,13 @@ def _main(argv: list[str] | None) -> int:
         hf_model = hf_model.to(args.device).eval()
     bw = bandwidth_gb_s(args.device)
     fig = bench_decode(station, hf_model, args)
+    if args.profile:
+        fig["profile_ms"] = {}
+        for b in args.batches:
+            ms, top = profile_decode(station, prompts(b, args.prompt_len, cfg.vocab_size), max(2, args.steps - 1),
+                                     GREEDY)
+            fig["profile_ms"][str(b)] = ms
+            print(format_profile(b, ms, top), file=sys.stderr)
     ours, hf = fig["ours_tok_s"], fig["hf_tok_s"]
     weight_bytes = station.load_report.weight_bytes
     embed_bytes = cfg.vocab_size * cfg.hidden_size * DTYPE_BYTES[args.dtype]
@@ -230,7 +240,8 @@ def _main(argv: list[str] | None) -> int:
         "bandwidth_gb_s": bw, "weight_bytes": weight_bytes, "embed_bytes": embed_bytes,
         "roofline_steps_s": steps_s, "roofline_tok_s": roof,
         "roofline_fraction": {k: ours[k] / roof[k] for k in ours},
-        "prompt_len": args.prompt_len, "steps": args.steps, "repeats": args.repeats, "dtype": args.dtype, "linear_backend": args.linear_backend,
+        "prompt_len": args.prompt_len, "steps": args.steps, "repeats": args.repeats, "dtype": args.dtype,
+        "linear_backend": station.linear_backend,
         "device": args.device, "model": str(model_dir), "machine": mach, "load_avg_1m": os.getloadavg()[0],
     }
     print(json.dumps(figures))

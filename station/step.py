@@ -22,6 +22,7 @@ from mesh.core.model.loader import TORCH_DTYPES, load_range
 from mesh.core.sampling import sample_tokens
 from mesh.core.wave import KVUsage, StationOutput, WaveEntry, wave_rows
 from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats
+from station.native_attention import NativeWaveAttention
 
 
 PROBE_SEQ_ID = 2**64  # one past the wire's largest seq_id (uint64): no client sequence can be the probe
@@ -145,7 +146,7 @@ class Station:
         spec = self.spec
         self.model, self.load_report = load_range(self.model_dir, self.config, spec.start, spec.end, spec.dtype,
                                                   spec.device)
-        use_linear_backend(self.model, spec.linear_backend, self.device, self.dtype)
+        self.linear_backend = use_linear_backend(self.model, spec.linear_backend, self.device, self.dtype)
         self.kv = KVPool(self.config, spec, block_tokens)
 
     @property
@@ -190,7 +191,9 @@ class Station:
     def _compute(self, entries: tuple[WaveEntry, ...], x: torch.Tensor, want_logits: bool):
         positions = torch.cat([torch.arange(e.start_pos, e.end_pos) for e in entries]).to(self.device)  # [T]
         hidden = self.model.embed(x) if self.is_first else x  # [T, d]
-        ctx = WaveAttention(self.kv, self.spec.start, entries, self.device, self.config.sliding_window)
+        ctx = (NativeWaveAttention(self.kv, self.spec.start, entries, self.config.sliding_window)
+               if self.linear_backend == "packed"  # the native float32 kernels (mesh.core.model.kernels)
+               else WaveAttention(self.kv, self.spec.start, entries, self.device, self.config.sliding_window))
         hidden = self.model(hidden, positions, ctx)  # [T, d]
         if not self.is_last:
             return hidden, None, None

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mesh.core.config import StationSpec
-from mesh.core.model.kernels import batch_invariant_linear, pick_linear
+from mesh.core.model.kernels import BATCH_INVARIANT_BACKENDS, resolve_linear_backend
 from mesh.core.params import SamplingParams
 from mesh.core.wave import WaveEntry
 from mesh.core.compute import on_compute_thread
@@ -48,8 +48,9 @@ def _logits_of_seq0(station: Station, company: list[tuple[int, int, int]]) -> li
 
 @pytest.fixture(scope="module")
 def station(tiny_llama):
-    if pick_linear("auto", torch.device("cpu"), torch.float32) is not batch_invariant_linear:
-        pytest.skip("oneDNN is not row-count invariant in this torch build: F.linear is used (exact to 1e-4 only)")
+    if resolve_linear_backend("auto", torch.device("cpu"), torch.float32) not in BATCH_INVARIANT_BACKENDS:
+        pytest.skip("neither the packed kernel nor oneDNN runs row-count invariant here: F.linear is used "
+                    "(exact to 1e-4 only)")
     return Station(tiny_llama, StationSpec(layers=(0, 6)))
 
 
@@ -79,3 +80,29 @@ def test_logits_are_bitwise_the_same_at_another_thread_count(station):
         on_compute_thread(torch.set_num_threads, threads)
     differ = [i for i, (a, b) in enumerate(zip(reference, again)) if not torch.equal(a, b)]
     assert differ == [], f"waves whose logits differ between {threads} and {other} threads: {differ}"
+
+
+@pytest.mark.parametrize("chunks", [(13, 20, 7), (1, 38, 1), (16, 16, 8)], ids=["uneven", "ones", "blocks"])
+def test_a_prompt_in_chunks_gives_the_bits_of_one_prefill(station, chunks):
+    """With the native kernels a row's result does not depend on where its prompt's chunks began: the same
+    logits, bit for bit, at the last prompt row and at every decode step after it (what an exact prefix cache
+    and a replay in other chunk sizes rely on)."""
+    if station.linear_backend != "packed":
+        pytest.skip("chunk invariance is a property of the native float32 kernels, not used here")
+    prompt = _ids(11, sum(chunks), station.config.vocab_size)
+    one = station.forward((WaveEntry(0, 0, len(prompt), GREEDY),), token_ids=torch.tensor(prompt), want_logits=True)
+    start = 0
+    for i, n in enumerate(chunks):
+        last = i == len(chunks) - 1
+        split = station.forward((WaveEntry(1, start, n, GREEDY if last else None),),
+                                token_ids=torch.tensor(prompt[start:start + n]), want_logits=last)
+        start += n
+    assert torch.equal(one.logits[0], split.logits[0])
+    tokens = [one.samples[0].token_id, split.samples[0].token_id]
+    for step in range(4):  # both sequences decode side by side in one wave
+        pos = len(prompt) + step
+        out = station.forward((WaveEntry(0, pos, 1, GREEDY), WaveEntry(1, pos, 1, GREEDY)),
+                              token_ids=torch.tensor(tokens), want_logits=True)
+        assert torch.equal(out.logits[0], out.logits[1]), f"decode step {step} differs"
+        tokens = [s.token_id for s in out.samples]
+    station.release([0, 1])

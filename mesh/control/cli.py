@@ -239,6 +239,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"mesh bench: no benchmark named {args.name!r} ({script} missing)", file=sys.stderr)
         return 2
     sys.argv = [str(script), *args.rest]
+    sys.path.insert(0, str(script.parent))  # as `python bench/X.py` would: bench scripts import their neighbours
     runpy.run_path(str(script), run_name="__main__")
     return 0
 

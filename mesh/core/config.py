@@ -219,13 +219,14 @@ class StationSpec:
     kv_bytes: int = 256 * 2**20  # KV budget of this station in bytes
     num_gpus: float = 0.0  # Ray resource request
     num_cpus: float = 1.0  # Ray resource request (and the station's torch threads)
-    # matmul kernel: auto (oneDNN on CPU when it is row-count invariant here, so a row's bits never depend
-    # on its wave; else F.linear) | onednn (that, or refuse) | aten (F.linear: MKL's bits vary with the row count)
+    # matmul kernel: auto (on CPU the first row-count invariant kernel that passes its start-up probe, so a row's
+    # bits never depend on its wave: packed for float32, then oneDNN; else F.linear) | packed (the project's own
+    # C kernel, float32, or refuse) | onednn (or refuse) | aten (F.linear: MKL's bits vary with the row count)
     linear_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        _require(self.linear_backend in ("auto", "aten", "onednn"),
-                 f"linear_backend: expected auto, aten or onednn, got {self.linear_backend!r}")
+        _require(self.linear_backend in ("auto", "aten", "onednn", "packed"),
+                 f"linear_backend: expected auto, aten, onednn or packed, got {self.linear_backend!r}")
         _require(isinstance(self.layers, tuple) and len(self.layers) == 2
                  and all(is_int(x) for x in self.layers),
                  f"layers must be [start, end] integers, got {self.layers!r}")

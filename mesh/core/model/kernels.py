@@ -17,19 +17,28 @@ rows cost what one did.
 `pick_linear("auto")` probes, once per dtype, that oneDNN is present, agrees with
 F.linear and is row-count invariant on this machine (dense and blocked weights),
 and falls back to F.linear (exact to 1e-4, not bitwise batch-invariant) otherwise.
+
+The packed kernel (`packed_linear`, C in csrc/packed_linear.c, built by mesh.core.model.native) is row-count
+invariant by construction and reads the weights at memory speed: each output is one fused multiply-add chain
+over k in a fixed order, threads split only the output features, and the weight is packed once into tiles of
+64 output features so one call streams it once whatever the row count. It is float32 only; `auto` picks it for
+float32 on CPU after the same probe, else oneDNN, else F.linear.
 """
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, partial
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mesh.core.model.llama import Linear
+from mesh.core.model.llama import MLP, Attention, Linear, RMSNorm
+from mesh.core.model.native import load_native
 
-LINEAR_BACKENDS = ("auto", "aten", "onednn")
+LINEAR_BACKENDS = ("auto", "aten", "onednn", "packed")
+BATCH_INVARIANT_BACKENDS = ("packed", "onednn")  # a row's bits do not depend on the other rows of its wave
+PACK_TILE = 64  # output features per packed tile (csrc/packed_linear.c: TILE_N)
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 PACK_ROWS_HINT = 16  # row count oneDNN lays the weights out for (1 would pick a layout whose bits differ)
 
@@ -71,18 +80,141 @@ def _onednn_works(dtype: torch.dtype) -> bool:
         return False
 
 
-def pick_linear(backend: str, device: torch.device, dtype: torch.dtype) -> LinearKernel | None:
-    """The kernel for `backend` ("auto": the batch-invariant oneDNN kernel on CPU when it works), or
-    None for F.linear."""
+def pack_rows(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] float32 -> packed [ceil(N/64), K, 64], the features past N zero."""
+    n, k = w.shape
+    tiles = -(-n // PACK_TILE)
+    padded = torch.zeros(tiles * PACK_TILE, k, dtype=w.dtype)
+    padded[:n] = w
+    return padded.view(tiles, PACK_TILE, k).transpose(1, 2).contiguous()  # [tiles, K, 64]
+
+
+def pad_bias(b: torch.Tensor) -> torch.Tensor:
+    """b [N] -> [ceil(N/64) * 64], zero past N (the packed kernel reads whole tiles)."""
+    out = torch.zeros(-(-b.shape[0] // PACK_TILE) * PACK_TILE, dtype=b.dtype)
+    out[: b.shape[0]] = b
+    return out
+
+
+def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x [T, K] float32 @ packed w [tiles, K, 64] (+ padded b) -> [T, n] through csrc/packed_linear.c."""
+    lib, why = load_native()
+    if lib is None:
+        raise RuntimeError(why)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    t, k = x.shape
+    out = torch.empty(t, n, dtype=torch.float32)  # [T, n]
+    lib.packed_linear_f32(x.data_ptr(), t, x.stride(0), k, w.data_ptr(), n,
+                          None if b is None else b.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+@cache
+def _packed_works() -> bool:
+    """The packed kernel builds, agrees with F.linear and gives a row the same bits at every row count."""
+    lib, _ = load_native()
+    if lib is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(37, 96, generator=g), torch.randn(80, 96, generator=g), torch.randn(80, generator=g)
+    full = packed_linear(x, pack_rows(w), pad_bias(b), 80)
+    if not torch.allclose(full, F.linear(x, w, b), atol=1e-4):
+        return False
+    return all(torch.equal(packed_linear(x[:n], pack_rows(w), pad_bias(b), 80), full[:n]) for n in (1, 2, 3, 5, 16))
+
+
+def resolve_linear_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend `backend` means here: "packed", "onednn" or "aten" ("auto": the fastest batch-invariant
+    kernel that passes its probe, else F.linear); an explicit backend that cannot run is a ValueError."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend: expected one of {LINEAR_BACKENDS}, got {backend!r}")
     if backend == "aten" or device.type != "cpu":
-        return None
-    if _onednn_works(dtype):
-        return batch_invariant_linear
+        return "aten"
+    if backend in ("auto", "packed") and dtype == torch.float32 and _packed_works():
+        return "packed"
+    if backend == "packed":
+        why = load_native()[1] or ("it is float32 only" if dtype != torch.float32 else "its probe failed")
+        raise ValueError(f"linear_backend: packed cannot run here ({why})")
+    if backend in ("auto", "onednn") and _onednn_works(dtype):
+        return "onednn"
     if backend == "onednn":
         raise ValueError("linear_backend: onednn is not available (or not row-count invariant) in this torch build")
-    return None
+    return "aten"
+
+
+def native_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [T, d] float32 rows by csrc/layer_ops.c (one fixed order per row)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)  # [T, d]
+    load_native()[0].rmsnorm_f32(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], w.data_ptr(), eps,
+                                 out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def native_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate q [T, H, D] and k [T, KVH, D] (float32, each row's heads side by side) in place by cos/sin [T, D]."""
+    lib, threads = load_native()[0], torch.get_num_threads()
+    for x in (q, k):
+        if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+            raise ValueError("native_rope: expected each row's heads side by side")
+        lib.rope_f32(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2], cos.data_ptr(), sin.data_ptr(),
+                     threads)
+    return q, k
+
+
+def use_native_layer_ops(model: nn.Module) -> None:
+    """Point every RMSNorm and every attention's RoPE of `model` at the native float32 kernels."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.kernel = native_rmsnorm
+        elif isinstance(module, Attention):
+            module.rope_kernel = native_rope
+
+
+def _packed(linear: Linear) -> None:
+    linear.weight = nn.Parameter(pack_rows(linear.weight.detach()), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(pad_bias(linear.bias.detach()), requires_grad=False)
+    linear.kernel = partial(packed_linear, n=linear.out_features)
+
+
+def _fused(*parts: Linear) -> Linear:
+    """One packed Linear computing the parts' outputs side by side (each output's bits as the part's own)."""
+    has_bias = any(p.bias is not None for p in parts)  # a part without a bias gets zeros (x + 0 is x)
+    fused = Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=has_bias, device="meta")
+    fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([p.bias.detach() if p.bias is not None else torch.zeros(p.out_features)
+                                             for p in parts]), requires_grad=False)
+    _packed(fused)
+    return fused
+
+
+def use_packed_linears(model: nn.Module) -> None:
+    """Point every Linear of `model` at packed_linear, its weight replaced by the packed copy (a weight shared
+    with the embedding is copied: the embedding keeps reading the dense one). q/k/v and gate/up run as one
+    fused packed Linear each (one weight stream, one call); their own modules keep only their shapes."""
+    for module in list(model.modules()):
+        if isinstance(module, Attention):
+            module.qkv_proj = _fused(module.q_proj, module.k_proj, module.v_proj)
+        elif isinstance(module, MLP):
+            module.gate_up_proj = _fused(module.gate_proj, module.up_proj)
+        else:
+            continue
+        for part in (("q_proj", "k_proj", "v_proj") if isinstance(module, Attention) else ("gate_proj", "up_proj")):
+            _drop_weights(getattr(module, part))
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.device.type != "meta" and module.kernel is None:
+            _packed(module)
+
+
+def _drop_weights(linear: Linear) -> None:
+    """Free a Linear whose work a fused one took over (its shapes stay for the split)."""
+    linear.weight = nn.Parameter(torch.empty(linear.weight.shape, device="meta"), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(torch.empty(linear.bias.shape, device="meta"), requires_grad=False)
 
 
 def use_batch_invariant_linears(model: nn.Module) -> None:
@@ -96,14 +228,18 @@ def use_batch_invariant_linears(model: nn.Module) -> None:
             module.kernel = batch_invariant_linear
 
 
-def use_linear_backend(model: nn.Module, backend: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Set up every Linear of `model` for `backend` (see pick_linear): blocked weights and the
-    batch-invariant kernel when that is the pick, else the picked kernel as is."""
-    kernel = pick_linear(backend, device, dtype)
-    if kernel is batch_invariant_linear:
+def use_linear_backend(model: nn.Module, backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Set up every Linear of `model` for `backend` (see resolve_linear_backend); answers the backend used.
+    "packed" also moves the norms and RoPE to the native kernels (the attention context is the station's)."""
+    used = resolve_linear_backend(backend, device, dtype)
+    if used == "packed":
+        use_packed_linears(model)
+        use_native_layer_ops(model)
+    elif used == "onednn":
         use_batch_invariant_linears(model)
     else:
-        use_linear_kernel(model, kernel)
+        use_linear_kernel(model, None)
+    return used
 
 
 def use_linear_kernel(model: torch.nn.Module, kernel: LinearKernel | None) -> None:

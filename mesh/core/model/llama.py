@@ -79,7 +79,9 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 like the reference."""
+    """Root-mean-square norm, computed in float32 like the reference (or by a kernel chosen from outside)."""
+
+    kernel = None  # Callable[[x, weight, eps], out] | None
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -88,6 +90,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, d] -> normalised [T, d] in x's dtype."""
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -95,6 +99,8 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Grouped-query attention over a ragged wave; KV lives in the context."""
+
+    rope_kernel = None  # Callable[[q, k, cos, sin], (q, k)] rotating in place | None (apply_rope)
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -105,14 +111,23 @@ class Attention(nn.Module):
         self.k_proj = Linear(d, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = Linear(d, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.heads * self.head_dim, d, bias=cfg.o_bias)
+        self.qkv_proj: Linear | None = None  # [q | k | v] in one Linear, set from outside (mesh.core.model.kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """x [T, d] -> [T, d]."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)  # [T, KVH, D]
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)  # [T, KVH, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.qkv_proj(x).split([self.q_proj.out_features, self.k_proj.out_features,
+                                              self.v_proj.out_features], dim=1)  # views of one [T, (H+2KVH)*D]
+        q = q.view(t, self.heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(t, self.kv_heads, self.head_dim)  # [T, KVH, D]
+        if self.rope_kernel is None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            q, k = self.rope_kernel(q, k, cos, sin)
         out = ctx.attend(self.layer, q, k, v)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.heads * self.head_dim))
 
@@ -120,15 +135,20 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward."""
 
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: Linear | None = None  # [gate | up] in one Linear, set from outside
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, d] -> [T, d]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=1)  # [T, I] each, views of one [T, 2I]
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,93 @@
+"""The station's own C kernels (mesh/core/model/csrc/*.c), compiled once per machine and loaded with ctypes.
+
+The library is built with the system C compiler (`cc -O3 -march=native -fopenmp`) into ~/.cache/wavemesh/kernels
+(or a per-user temporary folder where the home is not writable), under a name that hashes the source, the flags and the CPU model, so a changed source, another compiler flag or
+another machine builds afresh and concurrent stations never read a half-written file (written to a temporary
+name, then renamed). It links the same OpenMP runtime torch already loaded (libgomp.so.1), so its threads are
+torch's threads. Where no compiler or no AVX2/FMA is present, `load_packed_linear` answers None and the reason,
+and the station uses torch's kernels instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")
+
+
+def kernel_dir() -> Path:
+    """Where compiled kernels are kept: the user's cache, else a per-user temporary folder."""
+    home = Path.home() / ".cache" / "wavemesh" / "kernels"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"wavemesh-kernels-{os.getuid()}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       text=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+SIGNATURES = {  # every exported function's argument types (all return void)
+    "packed_linear_f32": [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT],
+    "rmsnorm_f32": [_PTR, _I64, _I64, _I64, _PTR, _F32, _PTR, _INT],
+    "rope_f32": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT],
+    "paged_attention_f32": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR,
+                            _PTR, _I64, _F32, _PTR, _INT],
+}
+
+
+@cache
+def load_native() -> tuple[ctypes.CDLL | None, str]:
+    """(the compiled library, "") or (None, why not): built on first use, then reused from the cache."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"the native kernels are written for x86-64 (this is {platform.machine()})"
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()
+                         + _cpu_model().encode())
+    target = kernel_dir() / f"wavemesh-native-{key.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            if compiler is None:
+                return None, "no C compiler (cc or gcc) to build the native kernels"
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except subprocess.CalledProcessError as e:
+        return None, f"building the native kernels failed: {e.stderr.strip()[-300:]}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"the native kernels could not be built or loaded: {e}"
+    for name, args in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib, ""

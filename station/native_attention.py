@@ -1,0 +1,46 @@
+"""The attention context of a float32 CPU station on the native kernel (mesh/core/model/csrc/layer_ops.c).
+
+One call per layer stores the wave's new keys/values in the paged cache and attends every row, prompt chunk or
+decode token alike, to its own sequence's keys up to its position. Each (row, head) is one fixed-order
+computation, so a row's bits do not depend on its company, the thread count, or where its prompt's chunks
+began and ended.
+"""
+from __future__ import annotations
+
+import torch
+
+from mesh.core.model.native import load_native
+from mesh.core.wave import WaveEntry
+from station.kv import KVPool
+
+
+class NativeWaveAttention:
+    """AttentionContext for one wave: the block tables and positions of its rows, handed to the native kernel."""
+
+    def __init__(self, kv: KVPool, first_layer: int, entries: tuple[WaveEntry, ...], window: int | None) -> None:
+        self.kv, self.first_layer, self.window = kv, first_layer, window or 0
+        tables, row_table, row_pos = [], [], []
+        for e in entries:
+            row_table.extend([len(tables)] * e.n_tokens)
+            tables.extend(kv.table(e.seq_id))
+            row_pos.extend(range(e.start_pos, e.end_pos))
+        self.tables = torch.tensor(tables, dtype=torch.int64)  # every entry's block table, concatenated
+        self.row_table = torch.tensor(row_table, dtype=torch.int64)  # [T] where each row's table starts
+        self.row_pos = torch.tensor(row_pos, dtype=torch.int64)  # [T] each row's position
+        self.lib = load_native()[0]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] (rotated, float32, heads contiguous) -> [T, H, D]; stores k/v first."""
+        t, h, d = q.shape
+        kvh = k.shape[1]
+        if not (q.stride(1) == d and k.stride(1) == d and v.stride(1) == d and k.stride(0) == v.stride(0)
+                and q.stride(2) == k.stride(2) == v.stride(2) == 1):
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        local = layer - self.first_layer
+        kc, vc = self.kv.k[local], self.kv.v[local]  # [blocks, KVH, BT, D]
+        out = torch.empty(t, h, d, dtype=torch.float32)  # [T, H, D]
+        self.lib.paged_attention_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), t, h, kvh, d,
+                                     kc.data_ptr(), vc.data_ptr(), self.kv.block_tokens, self.tables.data_ptr(),
+                                     self.row_table.data_ptr(), self.row_pos.data_ptr(), self.window, d ** -0.5,
+                                     out.data_ptr(), torch.get_num_threads())
+        return out
