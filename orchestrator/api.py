@@ -1,11 +1,13 @@
 """OpenAI-compatible HTTP surface (FastAPI), a thin adapter over Engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`; generation_routes.py),
-GET /v1/models, GET /health (a real 1-token generation), GET /metrics, GET /v1/status, and GET /
+GET /v1/models, GET /health (a real 1-token generation, shared and briefly cached: health.py), GET /metrics,
+GET /v1/status, and GET /
 (a live status page, one static HTML file that polls /v1/status; with an API key, open it as `/?key=<key>`).
 Bad input is a 400 naming the field (never a 5xx); a full queue is a 503 with Retry-After;
 with `config.api_key` every route but /health and /metrics needs `Authorization: Bearer <key>`.
-A client that goes away (streaming or not) cancels its request, so its KV is freed within a wave.
+A client that goes away (streaming or not) cancels its request, so its KV is freed within a wave; one
+that goes away before its body has arrived is counted (wavemesh_client_disconnects_total), not logged.
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import asyncio
 import dataclasses
 import hmac
 import inspect
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,14 +24,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from mesh.core.config import ApiConfig
-from mesh.core.params import SamplingParams
-from orchestrator.generation_routes import MAX_BODY_BYTES, GenerationRoutes
+from orchestrator.generation_routes import GenerationRoutes
+from orchestrator.health import HealthProbe
+from orchestrator.http_body import MAX_BODY_BYTES
 from orchestrator.metrics import CONTENT_TYPE, MetricsRegistry
 from orchestrator.openai_format import ResponseFormatter, now_s
 from orchestrator.openai_schema import ApiError, RequestParser
-from orchestrator.scheduler import AdmissionError
 
 __all__ = ["MAX_BODY_BYTES", "OPEN_PATHS", "create_app"]
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # the only routes served without the API key
@@ -78,7 +80,8 @@ def create_app(engine, tokenizer, chat_template: str, model_name: str, config: A
     parser = RequestParser(tokenizer, chat_template, model_name, engine.model, config.max_n)
     GenerationRoutes(engine, parser, ResponseFormatter(tokenizer, model_name), metrics).register(app)
     _add_model_routes(app, engine, model_name)
-    _add_health_route(app, engine, health_timeout_s)
+    app.state.health = HealthProbe(engine, health_timeout_s, config.health_cache_s)
+    _add_health_route(app, app.state.health)
     _add_status_routes(app, engine, model_name, metrics, status_provider)
     return app
 
@@ -104,27 +107,15 @@ def _add_model_routes(app: FastAPI, engine, model_name: str) -> None:
         return model_card()
 
 
-def _add_health_route(app: FastAPI, engine, timeout_s: float) -> None:
-    """GET /health: a real 1-token generation through every station."""
+def _add_health_route(app: FastAPI, probe: HealthProbe) -> None:
+    """GET /health: a real 1-token generation through every station (shared, briefly cached)."""
 
     @app.get("/health")
     async def health() -> Response:
-        """200 only if a 1-token generation through every station finishes within the timeout."""
-        probe = engine.model.bos_token_id if engine.model.bos_token_id is not None else 0
-        try:
-            stream = engine.submit([probe], SamplingParams(max_tokens=1, ignore_eos=True), 1,
-                                   f"health-{uuid.uuid4().hex}")
-        except AdmissionError as err:
-            return JSONResponse({"status": "unavailable", "reason": err.message}, 503)
-        try:
-            outs = await asyncio.wait_for(stream.result_async(), timeout_s)
-        except TimeoutError:
-            return JSONResponse({"status": "unavailable", "reason": f"no token within {timeout_s} s"}, 503)
-        finally:
-            if not stream.done:
-                engine.cancel(stream.request_id)
-        if outs[0].finish_reason == "error" or not outs[0].token_ids:
-            return JSONResponse({"status": "unavailable", "reason": outs[0].error or outs[0].finish_reason}, 503)
+        """200 only if a 1-token generation through every station finished within the timeout lately."""
+        reason = await probe.check()
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "reason": reason}, 503)
         return JSONResponse({"status": "ok"})
 
 
@@ -177,6 +168,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         e = ApiError(err.status_code, str(err.detail), None, "not_found" if err.status_code == 404 else None)
         return JSONResponse(e.body(), err.status_code, headers=getattr(err, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, err: ClientDisconnect) -> Response:
+        request.app.state.metrics.observe_client_disconnect()  # a normal event: counted, no traceback
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception) -> JSONResponse:

@@ -73,8 +73,9 @@ class Engine:
 
     # ---- caller side -------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, n: int = 1,
-               request_id: str | None = None) -> RequestStream:
-        """Queue a request of `n` choices; raises AdmissionError (400 never fits / 503 queue full)."""
+               request_id: str | None = None, probe: bool = False) -> RequestStream:
+        """Queue a request of `n` choices; raises AdmissionError (400 never fits / 503 queue full).
+        A `probe` (the health check's proof) goes first and takes no user's lane or queue place."""
         request_id = request_id or uuid.uuid4().hex
         try:
             loop = asyncio.get_running_loop()
@@ -90,7 +91,7 @@ class Engine:
                 for i in range(n):
                     seq_id = next(self._seq_ids)
                     choice = params if n == 1 else replace(params, seed=(params.seed + i) % 2**63)
-                    self.scheduler.add(seq_id, request_id, tuple(prompt_ids), choice)
+                    self.scheduler.add(seq_id, request_id, tuple(prompt_ids), choice, probe)
                     live.seq_ids.append(seq_id)
                     live.open.add(seq_id)
                     self._seq_owner[seq_id] = (request_id, i)

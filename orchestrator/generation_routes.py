@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -19,14 +18,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from orchestrator.http_body import decode_json, read_body
 from orchestrator.metrics import MetricsRegistry, RequestRecord
 from orchestrator.openai_format import DONE, ResponseFormatter, now_s, sse
 from orchestrator.openai_schema import ApiError, GenerationRequest, RequestParser
 from orchestrator.scheduler import AdmissionError
 from orchestrator.stream import RequestStream
 
-__all__ = ["MAX_BODY_BYTES", "GenerationRoutes"]
-MAX_BODY_BYTES = 8 * 2**20  # a larger request body is refused (413) before it is parsed
+__all__ = ["GenerationRoutes"]
 _CODES = {"never_fits": "context_length_exceeded", "queue_full": "queue_full", "invalid": "invalid_value"}
 _DISCONNECT_POLL_S = 0.25
 
@@ -81,8 +80,9 @@ class GenerationRoutes:
 
     async def generate(self, request: Request, parse: Callable[[Any], GenerationRequest]) -> Response:
         """Answer one generation request: JSON once every choice ends, or SSE chunks as tokens arrive."""
-        try:
-            req = parse(await _json_body(request))
+        try:  # decoding, the chat template and the tokenizer run off the event loop: a large body stalls no one
+            raw = await read_body(request)
+            req = await asyncio.to_thread(lambda: parse(decode_json(raw)))
         except ApiError:
             self.metrics.observe_rejection("invalid")
             raise
@@ -157,26 +157,6 @@ class GenerationRoutes:
             yield DONE
         finally:  # also when the response is cancelled because the client went away
             self.close(req, stream, trace)
-
-
-async def _json_body(request: Request, limit: int = MAX_BODY_BYTES) -> Any:
-    """The parsed JSON body, or a 400 naming what is wrong with it (413 past `limit` bytes, read no further)."""
-    too_large = ApiError(413, f"the request body exceeds {limit} bytes", None, "request_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks))
-        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate ("\ud800") has no UTF-8 form: refuse it here
-    except (ValueError, RecursionError) as err:  # bad JSON or UTF-8, too deeply nested, an int of > 4300 digits
-        raise ApiError(400, f"the request body is not valid JSON: {err}", None, "invalid_json") from err
-    return body
 
 
 def _admission_error(err: AdmissionError) -> ApiError:

@@ -126,6 +126,8 @@ class MetricsRegistry:
                                         buckets=OCCUPANCY_BUCKETS, registry=r)
         self.wave_duration = Histogram(PREFIX + "wave_duration_seconds", "Send to commit of one wave.",
                                        buckets=WAVE_SECONDS_BUCKETS, registry=r)
+        self.client_disconnects = Counter(PREFIX + "client_disconnects",
+                                          "Clients that went away before their request body had arrived.", registry=r)
 
     def _refusals_snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -135,6 +137,10 @@ class MetricsRegistry:
         """Count a request the API refused before it reached the engine (e.g. reason="invalid")."""
         with self._lock:
             self._api_refusals[reason] = self._api_refusals.get(reason, 0) + 1
+
+    def observe_client_disconnect(self) -> None:
+        """Count a client that closed its connection before sending the whole body (or sent a bad chunk)."""
+        self.client_disconnects.inc()
 
     def observe_request(self, record: RequestRecord) -> None:
         """Count and time one request that ended (finished, cancelled or failed)."""

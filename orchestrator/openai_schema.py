@@ -3,6 +3,8 @@
 Plain dict parsing (no pydantic): every check raises ApiError(status, message, param), which
 api.py turns into OpenAI's `{"error": {message, type, param, code}}` body. Nothing here
 touches the engine; the scheduler's admission (context length, queue) happens after.
+Text longer than the context could hold (`max_prompt_bytes`) is refused before the chat template
+or the tokenizer sees it; parsing is CPU work, which generation_routes.py runs off the event loop.
 """
 from __future__ import annotations
 
@@ -88,6 +90,8 @@ class RequestParser:
     def __init__(self, tokenizer, chat_template: str | None, model_name: str, model: ModelConfig, max_n: int) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
         self.vocab_size, self.max_context, self.max_n = model.vocab_size, model.max_position_embeddings, max_n
+        self.token_bytes = longest_token_bytes(tokenizer)
+        self.max_prompt_bytes = self.max_context * self.token_bytes  # more text than this is more tokens than the context
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_template_error
@@ -103,10 +107,14 @@ class RequestParser:
         if isinstance(prompt, str):
             if not prompt:
                 raise bad("prompt", "is empty: at least one token is required")
+            self._check_bytes("prompt", len(prompt.encode("utf-8")))
             ids = self.encode(prompt, add_special_tokens=True)
         elif isinstance(prompt, list):
             if not prompt:
                 raise bad("prompt", "is empty: at least one token is required")
+            if len(prompt) > self.max_context:
+                raise bad("prompt", f"{len(prompt)} tokens exceed the context of {self.max_context} tokens",
+                          "context_length_exceeded")
             if not all(is_int(t) for t in prompt):
                 raise bad("prompt", "must be a string or a list of token ids (batched prompts are not supported)")
             ids = prompt
@@ -124,11 +132,16 @@ class RequestParser:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad("messages", "must be a non-empty list of {role, content} objects")
+        if len(messages) > self.max_context:  # a chat template spends at least one token on each message
+            raise bad("messages", f"{len(messages)} messages cannot fit the context of {self.max_context} tokens",
+                      "context_length_exceeded")
         rendered = [self._message(i, m) for i, m in enumerate(messages)]
+        self._check_bytes("messages", sum(len(m["content"].encode("utf-8")) for m in rendered))
         try:
             text = self.template.render(messages=rendered, add_generation_prompt=True, **self._specials)
         except Exception as err:  # a TemplateError, or a template tripping over odd input: a 400
             raise bad("messages", f"the chat template refused them: {type(err).__name__}: {err}") from err
+        self._check_bytes("messages", len(text.encode("utf-8")), " rendered with the chat template")
         ids = self.encode(text, add_special_tokens=False)
         if not ids:
             raise bad("messages", "rendered to an empty prompt")
@@ -143,8 +156,18 @@ class RequestParser:
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of `text` (a `tokenizers.Tokenizer` or a transformers tokenizer)."""
+        batch = getattr(self.tokenizer, "encode_batch", None)
+        if batch is not None:  # tokenizers.Tokenizer: its batch call lets go of the GIL while it works, encode() does not
+            return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
         out = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return list(getattr(out, "ids", out))
+
+    def _check_bytes(self, param: str, size: int, what: str = "") -> None:
+        """400 when `size` bytes of text are more than the context's tokens could ever spell."""
+        if size > self.max_prompt_bytes:
+            raise bad(param, f"{size} bytes of text{what} cannot fit the context of {self.max_context} tokens: "
+                             f"the limit is {self.max_prompt_bytes} bytes (no token of this tokenizer spells more "
+                             f"than {self.token_bytes} bytes)", "context_length_exceeded")
 
     # ---- helpers ---------------------------------------------------------------------------
     def _common(self, body: Any) -> dict:
@@ -235,6 +258,13 @@ class RequestParser:
             return SamplingParams(**kw)
         except ParamError as err:
             raise bad(err.param, str(err).split(": ", 1)[-1]) from err
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes of text one token stands for: the longest vocabulary entry as the
+    tokenizer spells it (byte-level and sentencepiece spellings are never shorter than their text), at least
+    one UTF-8 character. It holds for normalizers that do not drop characters, as the Llama family's."""
+    return max(4, max((len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.get_vocab()), default=4))
 
 
 def _raise_template_error(message: str) -> None:

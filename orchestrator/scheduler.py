@@ -48,9 +48,15 @@ class Scheduler:
         self._sum_occupancy = self._max_occupancy = 0.0
         self._refusals = dict.fromkeys(REFUSAL_REASONS, 0)
         self._finished: dict[str, int] = {}
+        self._probes: set[int] = set()  # live probe sequences: outside the admission bound, each with a lane of its own
 
-    def add(self, seq_id: int, request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams) -> None:
-        """Queue a request, or raise AdmissionError (400 never fits / invalid, 503 queue full)."""
+    def add(self, seq_id: int, request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams,
+            probe: bool = False) -> None:
+        """Queue a request, or raise AdmissionError (400 never fits / invalid, 503 queue full).
+
+        The bound is `max_seqs + max_queue` live sequences: a burst fills the free lanes and then the queue,
+        though the sequences only move into their lanes at the next plan(). A `probe` (a health check's
+        1-token proof) is queued first, counts against neither lanes nor queue, and is the caller's to bound."""
         if seq_id in self._seqs:
             raise ValueError(f"seq_id {seq_id} is already live")
         prompt = tuple(prompt_ids)
@@ -70,14 +76,19 @@ class Scheduler:
                          f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens need "
                          f"{need} KV blocks of {self.limits.block_tokens} tokens; the stations hold "
                          f"{self.limits.kv_blocks} blocks", "max_tokens")
-        if len(self._waiting) >= self.config.max_queue:
+        live, bound = self.live() - len(self._probes), self.config.max_seqs + self.config.max_queue
+        if not probe and live >= bound:
             self._refuse("queue_full", 503,
-                         f"waiting queue is full ({len(self._waiting)} of {self.config.max_queue} requests); "
-                         "retry later", None)
+                         f"waiting queue is full ({live} sequences live, the bound is max_seqs {self.config.max_seqs} "
+                         f"+ max_queue {self.config.max_queue}); retry later", None)
         seq = Sequence(seq_id, Request(request_id, prompt, params), arrival=self._arrivals)
         self._arrivals += 1
         self._seqs.add(seq)
-        self._waiting.push_back(seq)
+        if probe:
+            self._probes.add(seq_id)
+            self._waiting.push_front(seq)
+        else:
+            self._waiting.push_back(seq)
 
     def _refuse(self, reason: str, status: int, message: str, param: str | None) -> None:
         self._refusals[reason] += 1
@@ -85,7 +96,8 @@ class Scheduler:
 
     def plan(self, max_entries: int | None = None) -> WavePlan | None:
         """Build the next wave from sequences not in flight (None when nothing can be scheduled)."""
-        cap = self.config.max_seqs if max_entries is None else max_entries
+        lanes = self.config.max_seqs + len(self._probes)
+        cap = lanes if max_entries is None else max_entries
         if cap < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         wave = WaveBuilder(self.config.max_wave_tokens, cap, self._ledger, self._seqs, self._preempt)
@@ -94,7 +106,7 @@ class Scheduler:
         wave.add_decodes(ready)
         wave.add_chunks(ready)
         if not wave.preempted:  # no admission while KV is short
-            wave.add_admissions(self._waiting, self.config.max_seqs)
+            wave.add_admissions(self._waiting, lanes)
         if not wave.entries:
             return None
         plan = WavePlan(tuple(wave.entries), tuple(wave.tokens), self._next_wave_id)
@@ -237,6 +249,7 @@ class Scheduler:
             self._seqs.stop_running(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._probes.discard(seq.seq_id)
         self._finished[reason] = self._finished.get(reason, 0) + 1
 
     def _drop(self, seq: Sequence) -> None:

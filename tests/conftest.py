@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -104,3 +105,27 @@ def mesh_up(tmp_path_factory, tiny_llama):
             proc.wait(timeout=30)
         log.close()
     assert proc.returncode == 0, (tmp / "mesh-up.log").read_text()[-3000:]
+@contextlib.contextmanager
+def _serve_http(app):
+    """uvicorn on a free port of 127.0.0.1 in a background thread; yields the base URL, stops it after."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not (server.started and server.servers):
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def serve_http():
+    """`with serve_http(app) as url:` serves an ASGI app over HTTP on loopback for the block."""
+    return _serve_http

@@ -276,19 +276,57 @@ def test_refusals_and_stats():
         assert (err.value.reason, err.value.status, err.value.param) == (reason, status, param)
     with pytest.raises(AdmissionError, match=r"110 tokens exceeds the context of 100"):
         s.add(9, "r", (1,) * 90, SamplingParams(max_tokens=20))
-    s.add(10, "a", (1, 2), SamplingParams())
-    s.add(11, "b", (1, 2), SamplingParams())
+    for sid in range(10, 16):  # the bound is max_seqs (4) + max_queue (2) live sequences
+        s.add(sid, f"r{sid}", (1, 2), SamplingParams(max_tokens=4))
     with pytest.raises(AdmissionError) as err:
-        s.add(12, "c", (1, 2), SamplingParams())
+        s.add(16, "c", (1, 2), SamplingParams())
     assert (err.value.reason, err.value.status) == ("queue_full", 503)
     assert s.stats().refusals == {"never_fits": 4, "queue_full": 1, "invalid": 1}
     d = Driver(s)
-    d.prompts.update({10: (1, 2), 11: (1, 2)})
+    d.prompts.update({sid: (1, 2) for sid in range(10, 16)})
     d.run()
     st = s.stats()
-    assert st.finished == {"length": 2} and st.decode_tokens == 2 * 15 and st.prefill_tokens == 4
-    assert st.waves == 16 and st.last_wave_tokens == 2 and st.max_wave_entries == 2
-    assert 0 < st.mean_wave_occupancy <= st.max_wave_occupancy == 4 / 64
+    assert st.finished == {"length": 6} and st.decode_tokens == 6 * 3 and st.prefill_tokens == 12
+    assert st.last_wave_tokens == 2 and st.max_wave_entries == 4
+    assert 0 < st.mean_wave_occupancy <= st.max_wave_occupancy == 8 / 64
+
+
+def test_burst_up_to_lanes_plus_queue_is_admitted_and_the_excess_refused():
+    """A burst fills the free lanes and the queue before any plan() moves it: exactly max_seqs + max_queue."""
+    s = make(max_seqs=4, max_queue=2)
+    for sid in range(6):
+        s.add(sid, f"r{sid}", (1, 2, 3), SamplingParams(max_tokens=8))
+    refused = 0
+    for sid in range(6, 9):
+        with pytest.raises(AdmissionError) as err:
+            s.add(sid, f"r{sid}", (1, 2, 3), SamplingParams(max_tokens=8))
+        refused += err.value.reason == "queue_full"
+    assert refused == 3
+    plan = s.plan()
+    assert len(plan.entries) == 4 and s.stats().waiting == 2
+    with pytest.raises(AdmissionError):  # lanes taken, queue full: still the same bound
+        s.add(9, "r9", (1, 2, 3), SamplingParams(max_tokens=8))
+    s.cancel("r0")
+    s.add(10, "r10", (1, 2, 3), SamplingParams(max_tokens=8))  # a place came free
+
+
+def test_probe_takes_no_place_and_goes_first():
+    """A health probe is admitted past the bound, runs in a lane of its own, and frees nothing it did not take."""
+    d = Driver(make(max_seqs=2, max_queue=1))
+    for sid in range(3):
+        d.add(sid, 3, max_tokens=8)
+    d.sched.add(99, "probe", (1,), SamplingParams(max_tokens=1), probe=True)
+    d.prompts[99] = (1,)
+    with pytest.raises(AdmissionError):
+        d.add(3, 3)
+    first = d.plan()
+    assert [e.seq_id for e in first.entries] == [99, 0, 1]  # first, and beside both lanes
+    d.commit(first)
+    assert d.reasons[99] == "length"
+    with pytest.raises(AdmissionError):  # the probe's end frees no user's place
+        d.add(3, 3)
+    d.run()
+    d.assert_idle()
 
 
 def test_several_waves_in_flight_out_of_order_commits():

@@ -8,6 +8,7 @@ orchestrator and every station's metrics endpoint, rewritten after each growth.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -22,6 +23,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from fastapi import Request
+
 from mesh.control.cluster import Cluster
 from mesh.control.cluster_yaml import MeshConfig
 from mesh.control.targets import claim_targets, clean_stale_targets, release_targets
@@ -29,8 +32,9 @@ from mesh.core.config import ConfigError, is_int
 from mesh.core.transport import host_port
 from mesh.core.model.tokenizer_files import chat_template, load_tokenizer
 from orchestrator.api import create_app
+from orchestrator.http_body import read_json_object
 from orchestrator.metrics import MetricsRegistry
-from orchestrator.openai_schema import ApiError
+from orchestrator.openai_schema import ApiError, bad
 
 
 def _advertised(host: str) -> str:
@@ -77,10 +81,23 @@ def write_targets(cluster, config: MeshConfig) -> None:
         raise
 
 
-def build_app(cluster, config: MeshConfig):
-    """The API over a started cluster, with the admin routes that scale it (and rewrite the targets file)."""
-    from fastapi import Body
+def _control(call, fields: tuple[str, ...], after):
+    """`call`, then `after()`, with call's ConfigError turned into a 400 naming the first of `fields` it names."""
 
+    def checked(*args):
+        try:
+            out = call(*args)
+        except ConfigError as e:
+            raise ApiError(400, str(e), next((f for f in fields if f in str(e)), None), "invalid_value") from None
+        after()
+        return out
+
+    return checked
+
+
+def build_app(cluster, config: MeshConfig):
+    """The API over a started cluster, with the admin routes that scale it (and rewrite the targets file).
+    Their bodies are read as the API's are: the same size limit (413) and errors that name the field."""
     name = config.api.model_name or cluster.model_dir.name
     metrics = MetricsRegistry(cluster.engine.stats)
     cluster.engine.on_wave = metrics.observe_wave
@@ -101,34 +118,26 @@ def build_app(cluster, config: MeshConfig):
         return {"stations": [{"layers": list(s.layers), "device": s.device, "num_gpus": s.num_gpus} for s in specs]}
 
     @app.post("/admin/scale")
-    def scale(body: dict = Body(...)) -> dict:
+    async def scale(request: Request) -> dict:
         """Re-plan the model over `stations` stations and move serving onto them."""
-        count = body.get("stations") if isinstance(body, dict) else None
+        body = await read_json_object(request, ("stations",))
+        count = body.get("stations")
         if not is_int(count):
-            raise ApiError(400, "stations: expected an integer", "stations")
-        try:
-            specs = cluster.scale(count)
-        except ConfigError as e:
-            raise ApiError(400, str(e), "stations") from None
-        refresh_targets()
-        return _specs(specs)
+            raise bad("stations", f"expected an integer, got {type(count).__name__}")
+        return _specs(await asyncio.to_thread(_control(cluster.scale, ("stations",), refresh_targets), count))
 
     @app.post("/admin/add-station")
-    def add_station(body: dict = Body(...)) -> dict:
+    async def add_station(request: Request) -> dict:
         """Add a station on `layers` [A, B] (or split the largest), with `num_gpus`."""
+        body = await read_json_object(request, ("layers", "num_gpus"))
         layers, gpus = body.get("layers"), body.get("num_gpus")
-        if layers is not None and not (isinstance(layers, list) and len(layers) == 2
-                                       and all(isinstance(x, int) for x in layers)):
-            raise ApiError(400, "layers: expected [start, end] integers", "layers")
+        if layers is not None and not (isinstance(layers, list) and len(layers) == 2 and all(is_int(x) for x in layers)):
+            raise bad("layers", "expected [start, end] integers")
         if gpus is not None and not (isinstance(gpus, (int, float)) and not isinstance(gpus, bool)
                                      and math.isfinite(gpus) and gpus >= 0):
-            raise ApiError(400, "num_gpus: expected a finite number >= 0", "num_gpus")
-        try:
-            specs = cluster.add_station(tuple(layers) if layers else None, gpus)
-        except ConfigError as e:
-            raise ApiError(400, str(e), "layers") from None
-        refresh_targets()
-        return _specs(specs)
+            raise bad("num_gpus", "expected a finite number >= 0")
+        add = _control(cluster.add_station, ("layers", "num_gpus"), refresh_targets)
+        return _specs(await asyncio.to_thread(add, tuple(layers) if layers else None, gpus))
 
     return app
 

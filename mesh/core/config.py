@@ -262,7 +262,7 @@ class SchedulerConfig:
 
     max_seqs: int = 32  # live sequences (lanes) at once
     max_wave_tokens: int = 512  # rows in one wave: decode tokens + prompt chunks
-    max_queue: int = 256  # waiting requests before new ones are refused (503)
+    max_queue: int = 256  # requests waiting beyond the max_seqs lanes: max_seqs + max_queue live, the next gets 503
     short_first: bool = False  # let short prompts jump the FIFO queue
     short_prompt_tokens: int = 64  # a prompt this long or shorter counts as short
     max_skips: int = 8  # a request passed over this many times is admitted next, short or not
@@ -288,7 +288,11 @@ class ApiConfig:
     api_key: str | None = None  # bearer token required on every route but /health and /metrics
     model_name: str | None = None  # name reported by /v1/models (default: the model directory's name)
     max_n: int = 8  # cap on the `n` choices of one request
+    health_cache_s: float = 2.0  # GET /health reuses a successful 1-token proof this long (0: prove every call)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.port, int) and 0 <= self.port < 65536, f"api.port out of range: {self.port!r}")
         _require(isinstance(self.max_n, int) and self.max_n >= 1, "api.max_n must be >= 1")
+        _require(isinstance(self.health_cache_s, (int, float)) and not isinstance(self.health_cache_s, bool)
+                 and math.isfinite(self.health_cache_s) and self.health_cache_s >= 0,
+                 f"api.health_cache_s must be a finite number >= 0, got {self.health_cache_s!r}")
