@@ -163,12 +163,14 @@ def _main(argv: list[str] | None) -> int:
     samples, settings = sides.measure(args)
     summary = summarize(samples, settings["read_bytes"])
     table = format_table(samples, summary, settings)
+    figures = json.dumps({"samples": samples, **summary, **{k: v for k, v in settings.items() if k != "machine"}})
     print(table)
     if args.out:
+        command = " ".join(["mesh bench vs_llamacpp", *(sys.argv[1:] if argv is None else argv)])
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table + "\n")
+        args.out.write_text(f"$ {command}\n\n{table}\n\n{figures}\n")
         print(f"\nwrote {args.out}", file=sys.stderr)
-    print(json.dumps({"samples": samples, **summary, **{k: v for k, v in settings.items() if k != "machine"}}))
+    print(figures)
     return 0
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +30,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 from step import prompts, run_ours  # noqa: E402  (bench/step.py: the station decode loop `mesh bench step` times)
+from server_process import free_port, start_server, stop_server  # noqa: E402
 from vs_llamacpp import decode_read_bytes, parse_llama_bench  # noqa: E402  (the pure parts)
 
 MODELS = {"smollm2": SMOLLM2, "bench": "bench"}  # --model choice -> resolve_model preset
@@ -93,44 +92,6 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, pp: int, tg: int) -> di
            "-r", "1", "-o", "jsonl"]
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=1800)
     return parse_llama_bench(out.stdout)
-
-
-def free_port() -> int:
-    """A free loopback TCP port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
-    """Start a server in its own session, logging to `log`; returns once GET /health answers 200."""
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited early ({proc.returncode}):\n{log.read_text(errors='replace')[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=10).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"{cmd[0]} did not become healthy in 600 s; log {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's session, SIGKILL it after 120 s."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    except ProcessLookupError:
-        pass
 
 
 def mesh_up_command(model_dir: Path, threads: int, clients: int, port: int, workdir: Path) -> list[str]:
@@ -226,7 +187,7 @@ def _http_rounds(args, model_dir: Path, gguf: Path, bin_dir: Path, samples: dict
                 cmd = (mesh_up_command(model_dir, args.threads, args.clients, port, Path(tmp)) if side == "ours"
                        else llama_server_command(bin_dir, gguf, args.threads, args.clients, ctx, port))
                 url, log = f"http://127.0.0.1:{port}", Path(tmp) / f"{side}-{cycle}.log"
-                proc = start_server(cmd, url, log)
+                proc = start_server(cmd, url, log, "mesh up" if side == "ours" else "llama-server")
                 try:
                     http_round(url, http_prompts(-1, args.clients, args.http_prompt_tokens, vocab), 4)
                     for r in range(args.http_rounds):
