@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--http-tokens", type=int, default=64, help="tokens generated per HTTP request")
     p.add_argument("--http-prompt-tokens", type=int, default=32, help="prompt length of each HTTP request")
     p.add_argument("--http-rounds", type=int, default=3, help="timed rounds per server start")
-    p.add_argument("--http-cycles", type=int, default=1, help="server starts per side (order flips each cycle)")
+    p.add_argument("--http-cycles", type=int, default=2, help="server starts per side (order flips each cycle)")
     p.add_argument("--llamacpp-bin", help="folder with llama-bench and llama-server (default: build into the cache)")
     p.add_argument("--out", help=f"table file (default {OUT.relative_to(OUT.parents[2])}; none with --quick)")
     p.add_argument("--quick", action="store_true", help="one round, small counts, no --out file")

@@ -53,7 +53,8 @@ def peer_binaries(bin_dir: str | None) -> Path:
         path = Path(out.stdout.strip().splitlines()[-1])
     for name in ("llama-bench", "llama-server"):
         if not (path / name).is_file():
-            raise FileNotFoundError(f"--llamacpp-bin: {path / name} not found (build it with bench/llamacpp_peer.sh)")
+            raise FileNotFoundError(f"{path / name} not found: build it with bench/llamacpp_peer.sh, or name the "
+                                    "folder holding llama-bench and llama-server with --llamacpp-bin")
     return path
 
 
