@@ -94,12 +94,17 @@ def parse_llama_bench(jsonl: str) -> dict[str, float]:
 
 
 def summarize(samples: dict[str, list[float]], read_bytes: int) -> dict[str, float | None]:
-    """Medians of every sample list, ours/llama.cpp ratios, and both sides' decode roofline shares."""
+    """Medians of every sample list, ours/llama.cpp ratios, and both sides' decode roofline shares.
+
+    ratio_K is the ratio of the two medians; paired_ratio_K the median of round-by-round ratios (each round
+    ran both sides back to back, so a busy minute slows both and cancels out of its ratio)."""
     med = {k: statistics.median(v) if v else None for k, v in samples.items()}
     out: dict[str, float | None] = {f"{k}_median": v for k, v in med.items()}
     for kind in ("tg", "pp", "http"):
         ours, peer = med.get(f"ours_{kind}"), med.get(f"llama_{kind}")
         out[f"ratio_{kind}"] = ours / peer if ours and peer else None
+        pairs = list(zip(samples.get(f"ours_{kind}", []), samples.get(f"llama_{kind}", [])))
+        out[f"paired_ratio_{kind}"] = statistics.median(a / b for a, b in pairs) if pairs else None
     bw = med.get("bandwidth_gb_s")
     for side in ("ours", "llama"):
         tg = med.get(f"{side}_tg")
@@ -124,7 +129,8 @@ def _verdict(value: float | None, target: float, pct: bool = False) -> str:
 def format_table(samples: dict[str, list[float]], summary: dict[str, float | None], settings: dict) -> str:
     """The comparison as a Markdown table with a heading line and the machine line under it."""
     s = settings
-    ratio = {k: "-" if summary[f"ratio_{k}"] is None else f"{summary[f'ratio_{k}']:.2f}x" for k in ("tg", "pp", "http")}
+    ratio = {k: "-" if summary[f"ratio_{k}"] is None else
+             f"{summary[f'ratio_{k}']:.2f}x (paired {summary[f'paired_ratio_{k}']:.2f}x)" for k in ("tg", "pp", "http")}
     pct = {k: "-" if summary[f"{k}_roof"] is None else f"{summary[f'{k}_roof']:.1%}" for k in ("ours", "llama")}
     rows = [
         (f"batch-1 decode tok/s (llama-bench tg{s['gen_tokens']})", _cell(samples.get("ours_tg", [])),
@@ -137,7 +143,7 @@ def format_table(samples: dict[str, list[float]], summary: dict[str, float | Non
          _cell(samples.get("ours_http", [])), _cell(samples.get("llama_http", [])), ratio["http"],
          _verdict(summary["ratio_http"], TARGETS["http"])),
     ]
-    head = ("", "wavemesh", "llama.cpp", "ratio", "target")
+    head = ("", "wavemesh", "llama.cpp", "ratio of medians (median of round ratios)", "target")
     widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
@@ -163,7 +169,7 @@ def _main(argv: list[str] | None) -> int:
     samples, settings = sides.measure(args)
     summary = summarize(samples, settings["read_bytes"])
     table = format_table(samples, summary, settings)
-    figures = json.dumps({"samples": samples, **summary, **{k: v for k, v in settings.items() if k != "machine"}})
+    figures = json.dumps({"samples": samples, **summary, **settings})
     print(table)
     if args.out:
         command = " ".join(["mesh bench vs_llamacpp", *(sys.argv[1:] if argv is None else argv)])

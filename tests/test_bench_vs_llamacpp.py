@@ -78,7 +78,15 @@ def test_summary_ratios_and_roofline_from_medians(vs):
     s = vs.summarize(samples, 10**9)
     assert s["ratio_tg"] == pytest.approx(16.0 / 49.0)
     assert s["ours_roof"] == pytest.approx(0.4) and s["llama_roof"] == pytest.approx(49 / 40)
-    assert s["ratio_pp"] is None and s["ratio_http"] is None
+    assert s["paired_ratio_tg"] == pytest.approx(16.0 / 49.0)  # rounds: 10/48, 20/50, 16/49
+    assert s["ratio_pp"] is None and s["ratio_http"] is None and s["paired_ratio_pp"] is None
+
+
+def test_paired_ratio_cancels_a_slow_round(vs):
+    """A round where the machine slowed both sides tenfold leaves the median of round ratios at the true 0.5x."""
+    s = vs.summarize(_samples(ours_tg=[10.0, 1.0, 10.0, 10.0], llama_tg=[20.0, 2.0, 20.0, 2.0]), 10**9)
+    assert s["paired_ratio_tg"] == pytest.approx(0.5)
+    assert s["ratio_tg"] == pytest.approx(10.0 / 11.0)
 
 
 def test_table_shows_medians_ranges_ratios_and_targets(vs):
@@ -90,9 +98,9 @@ def test_table_shows_medians_ranges_ratios_and_targets(vs):
                 "machine": "cpu X", "peer_source": "llama_cpp_python-0.3.36.tar.gz", "load_avg": "3.10"}
     table = vs.format_table(samples, vs.summarize(samples, settings["read_bytes"]), settings)
     decode = next(line for line in table.splitlines() if "tg32" in line)
-    assert "16.8 (15.0-17.0)" in decode and "49.1 (48.0-50.0)" in decode and "0.34x" in decode and "missed" in decode
+    assert "16.8 (15.0-17.0)" in decode and "49.1 (48.0-50.0)" in decode and "0.34x (paired 0.34x)" in decode and "missed" in decode
     http = next(line for line in table.splitlines() if "16 requests x 64 tokens" in line)
-    assert "1.80x" in http and ">= 1.5x met" in http
+    assert "1.80x (paired 1.80x)" in http and ">= 1.5x met" in http
     prefill = next(line for line in table.splitlines() if "pp512" in line)
     assert prefill.count(" - ") >= 2
     assert "540.0 MiB" in table and "llama_cpp_python-0.3.36" in table
