@@ -148,8 +148,10 @@ def format_table(samples: dict[str, list[float]], summary: dict[str, float | Non
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     read = f", {s['read_bytes'] / 2**20:.1f} MiB of weights read per decode step" if s["read_bytes"] else ""
-    title = (f"wavemesh vs llama.cpp: {s['model']} (float32{read}), {s['threads']} threads each; medians (min-max) of {s['rounds']} alternating rounds, "
-             f"HTTP {s['http_rounds']} rounds x {s['http_cycles']} server starts per side")
+    http = (f", HTTP {s['http_rounds']} rounds x {s['http_cycles']} server starts per side"
+            if samples.get("ours_http") else "")
+    title = (f"wavemesh vs llama.cpp: {s['model']} (float32{read}), {s['threads']} threads each; medians (min-max) "
+             f"of {s['rounds']} alternating rounds{http}")
     foot = (f"memory bandwidth (copy) {_cell(samples.get('bandwidth_gb_s', []))} GB/s; {s['machine']}; "
             f"llama.cpp {s['peer_source']}; load average {s['load_avg']}")
     return "\n".join([title, "", line(head), rule, *map(line, rows), "", foot])
