@@ -18,3 +18,19 @@ def test_bench_step_quick_runs(tiny_llama):
     assert set(figures["ours_tok_s"]) == {"1", "4"}
     assert all(v > 0 for v in figures["ours_tok_s"].values())
     assert figures["hf_tok_s"] == {} and figures["weight_bytes"] > 0 and figures["bandwidth_gb_s"] > 0
+
+
+def test_bench_step_profile_splits_the_decode_step(tiny_llama):
+    """`--profile` prints, per batch, where a decode step went (marked as a measurement mode), and its
+    categories add up to the step; the station ran the native kernels that `auto` picks on float32."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_llama), "--quick", "--no-hf",
+                           "--profile"], check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("PROFILE (measurement mode)") == 2
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["linear_backend"] in ("packed", "onednn", "aten")
+    for batch in ("1", "4"):
+        ms = figures["profile_ms"][batch]
+        assert ms["linears"] > 0 and ms["attention"] > 0 and ms["step"] > 0
+        parts = ms["linears"] + ms["attention"] + ms["sampling"] + ms["other"]
+        assert abs(parts - ms["step"]) < 1e-6 * max(1.0, ms["step"]) or ms["other"] == 0.0
