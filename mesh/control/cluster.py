@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Callable
 
 import ray
-from ray.exceptions import GetTimeoutError
 
 from mesh.control.cluster_yaml import MeshConfig, RayConfig
 from mesh.control.layer_plan import plan_layers, split_weights
 from mesh.core.config import ConfigError, ModelConfig, StationSpec
 from orchestrator.engine import Engine
 from orchestrator.remote import RemoteLink
+from mesh.control.station_recovery import bring_back
 from station.actor import create_station, station_address, stop_station
 from station.probe import ProbeConfig
 
@@ -166,29 +166,25 @@ class Cluster:
         return specs
 
     def recover(self, links) -> list:
-        """Bring the current route back after a failed call: keep stations that answer, wait for Ray to
-        restart dead ones, and restart hung ones (a stopped process is not restarted by Ray on its own).
-        Raises when a station is not back within `cluster.restart_timeout_s` (or has no restarts left)."""
-        timeout = self.config.cluster.restart_timeout_s
+        """Bring the current route back after a failed call: keep stations that answer, wait for Ray to restart
+        dead ones (never spending a restart Ray is already spending), restart hung ones, and replace one with no
+        restarts left by a fresh actor for the same layers (see mesh.control.station_recovery). Raises
+        StationLost when a station is not back within `cluster.restart_timeout_s` or cannot be started."""
+        cc = self.config.cluster
+        deadline = time.monotonic() + cc.restart_timeout_s
         moved = False
         with self._scale_lock:
             for spec in self.specs:
                 link = self._links[spec]
                 if link.health():
                     continue  # answering: a lost call, not a lost station
-                handle = self._actors[spec]
-                try:
-                    address = station_address(handle, timeout_s=min(5.0, timeout))
-                except GetTimeoutError:
-                    address = None  # the actor does not answer Ray either: hung
-                if address is None or address == link.address:
-                    self.progress(f"station [{spec.start}, {spec.end}) at {link.address} does not answer: restarting it")
-                    ray.kill(handle, no_restart=False)
-                    address = station_address(handle, timeout_s=timeout)
-                link.close()
-                self._links[spec] = self._link(address)
-                moved = True
-                self.progress(f"station [{spec.start}, {spec.end}) is back at {address}")
+                back = bring_back(spec, self._actors[spec], link, deadline=deadline, call_timeout_s=cc.call_timeout_s,
+                                  create=self._replace, connect=self._link, progress=self.progress)
+                self._actors[spec], self._links[spec] = back.handle, back.link
+                if back.link is not link:
+                    moved = True
+                    self.progress(f"station [{spec.start}, {spec.end}) is back at {back.link.address}"
+                                  + (" (a fresh actor)" if back.replaced else ""))
             links = [self._links[s] for s in self.specs]
         if moved and self.on_restart is not None:
             try:
@@ -210,8 +206,8 @@ class Cluster:
                 self._scale_lock.release()
             sick = next((link for link in links if not link.health()), None)
             if sick is not None and not self._stopping.is_set() and sick in self._links.values():  # not retired since
-                self.progress(f"station at {sick.address} fails its health check: recovering the route")
-                self.engine.recover_route()
+                if self.engine.recover_route():  # said once per recovery, not at every look while it runs
+                    self.progress(f"station at {sick.address} fails its health check: recovering the route")
 
     # ---- status ----------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -258,6 +254,12 @@ class Cluster:
         return create_station(self.model_dir, spec, host=cc.station_host, max_restarts=cc.max_restarts,
                               token=self.token, tls=self.tls,
                               probe=ProbeConfig(period_s=cc.health_period_s, hang_s=cc.call_timeout_s))
+
+    def _replace(self, spec: StationSpec):
+        """Start a fresh actor for `spec` in place of one that is gone for good (a new restart budget); it is
+        the spec's actor from now on, so a later recovery waits for it and `stop` ends it."""
+        self._actors[spec] = handle = self._create(spec)
+        return handle
 
     def _link(self, address: str):
         return RemoteLink(address, timeout_s=self.config.cluster.call_timeout_s, token=self.token, tls=self.tls)
