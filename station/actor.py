@@ -130,9 +130,10 @@ def launch_station(model_dir: str | Path, spec: StationSpec, *, name: str | None
 def station_address(handle: Any, timeout_s: float = 300.0, poll_s: float = 0.2) -> str:
     """The station's current gRPC address, waiting while Ray (re)starts the actor.
 
-    With max_task_retries=0 a call to a restarting actor fails at once with ActorUnavailableError;
-    this retries those until `timeout_s`. A dead actor (no restarts left) raises ActorDiedError,
-    and a station that does not answer in time raises GetTimeoutError.
+    A call to an actor Ray is (re)starting waits in Ray's queue until the actor is up; one made just after
+    its process died fails at once with ActorUnavailableError (max_task_retries=0), and is retried here
+    until `timeout_s`. A dead actor (no restarts left) raises ActorDiedError, and one that is not up and
+    answering in time raises GetTimeoutError (a hang and a slow restart look alike: see `actor_state`).
     """
     deadline = time.monotonic() + timeout_s
     while True:

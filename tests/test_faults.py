@@ -330,6 +330,7 @@ def test_station_that_cannot_be_replaced_ends_requests_and_refuses_new(local_ray
         outs = [s.result(timeout=120)[0] for s in streams]
         assert all(o.finish_reason == "error" and "did not come back" in o.error for o in outs)
         assert "cannot be started" in outs[0].error, outs[0].error
+        print(f"\nno replacement possible: {outs[0].error}")
         with pytest.raises(AdmissionError) as refused:
             cluster.engine.submit(prompts[0], params[0])
         assert refused.value.status == 503
