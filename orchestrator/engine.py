@@ -172,10 +172,13 @@ class Engine:
         old.barrier()
         old.close()
 
-    def recover_route(self) -> None:
-        """A station failed its health check: rebuild the route now (as after a failed call), when recovery is on."""
+    def recover_route(self) -> bool:
+        """A station failed its health check: rebuild the route now (as after a failed call), when recovery is on.
+        True when this call began a recovery (False: recovery is off, one already runs, or the engine closed)."""
         if self._recover is not None and self.route.begin_recovery():  # not when closed or already recovering
             threading.Thread(target=self._recovery, name="route-recovery", daemon=True).start()
+            return True
+        return False
 
     def _recovery(self) -> None:
         t0 = time.monotonic()

@@ -130,9 +130,10 @@ def launch_station(model_dir: str | Path, spec: StationSpec, *, name: str | None
 def station_address(handle: Any, timeout_s: float = 300.0, poll_s: float = 0.2) -> str:
     """The station's current gRPC address, waiting while Ray (re)starts the actor.
 
-    With max_task_retries=0 a call to a restarting actor fails at once with ActorUnavailableError;
-    this retries those until `timeout_s`. A dead actor (no restarts left) raises ActorDiedError,
-    and a station that does not answer in time raises GetTimeoutError.
+    A call to an actor Ray is (re)starting waits in Ray's queue until the actor is up; one made just after
+    its process died fails at once with ActorUnavailableError (max_task_retries=0), and is retried here
+    until `timeout_s`. A dead actor (no restarts left) raises ActorDiedError, and one that is not up and
+    answering in time raises GetTimeoutError (a hang and a slow restart look alike: see `actor_state`).
     """
     deadline = time.monotonic() + timeout_s
     while True:
@@ -143,6 +144,32 @@ def station_address(handle: Any, timeout_s: float = 300.0, poll_s: float = 0.2) 
             return ray.get(handle.address.remote(), timeout=left)
         except ActorUnavailableError:
             time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
+# Ray's actor states in which the actor is being (re)started: calls to it wait in Ray's queue meanwhile
+STARTING_STATES = frozenset({"DEPENDENCIES_UNREADY", "PENDING_CREATION", "RESTARTING"})
+
+
+def actor_record(handle: Any) -> dict[str, Any] | None:
+    """Ray's own record of a station actor: {"State": ALIVE / RESTARTING / DEAD / ..., "NumRestarts", "Pid", ...},
+    read from the GCS (the public state API goes through the dashboard, which wavemesh does not start).
+
+    This is what tells a station Ray is restarting (a call to it waits in Ray's queue and times out, exactly as
+    a call to a hung process does) from one that is alive and does not answer. None if Ray cannot say.
+    """
+    from ray._private import state  # the GCS actor table; no dashboard needed
+
+    try:
+        record = state.actors(actor_id=handle._actor_id.hex())
+    except Exception:  # noqa: BLE001 - a Ray without this table: the caller falls back on the call's outcome
+        return None
+    return record if isinstance(record, dict) and record.get("State") else None
+
+
+def actor_state(handle: Any) -> str | None:
+    """The actor's state in Ray's record (see `actor_record`), or None if Ray cannot say."""
+    record = actor_record(handle)
+    return None if record is None else str(record["State"])
 
 
 def stop_station(handle: Any, grace: float = 1.0, timeout_s: float = 30.0) -> None:

@@ -70,7 +70,7 @@ def free_port():
 @pytest.fixture(scope="module")
 def mesh_up(tmp_path_factory, tiny_llama):
     """`mesh up` of a 2-station tiny llama with an API key and a targets file, for one test module; stopped by
-    SIGTERM. Yields url, key, targets (the file_sd path) and client (an httpx.Client sending the key)."""
+    SIGTERM. Yields url, key, targets (the file_sd path), client (an httpx.Client sending the key) and pid."""
     tmp = tmp_path_factory.mktemp("mesh-up")
     port, key = _free_port(), "page-key"
     targets = tmp / "prom" / "targets.json"
@@ -94,7 +94,7 @@ def mesh_up(tmp_path_factory, tiny_llama):
                     break
             time.sleep(0.5)
         client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
-        yield SimpleNamespace(url=url, key=key, targets=targets, client=client)
+        yield SimpleNamespace(url=url, key=key, targets=targets, client=client, pid=proc.pid)
         client.close()
     finally:
         proc.send_signal(signal.SIGTERM)

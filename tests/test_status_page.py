@@ -192,6 +192,32 @@ def test_page_in_chromium_shows_the_route_and_busy_lanes(mesh_up):
         time.sleep(0.2)
 
 
+def test_no_process_of_mesh_up_listens_beyond_loopback(mesh_up):
+    """Issue 17 item 4: the local Ray that `mesh up` starts (no ray address configured) binds loopback: its GCS,
+    raylet, agents and workers, the stations and the API listen on 127.0.0.1 (or ::1) only."""
+    import ipaddress
+
+    import psutil
+
+    root = psutil.Process(mesh_up.pid)
+    processes = [root] + root.children(recursive=True)
+    listening, beyond = 0, []
+    for proc in processes:
+        try:
+            sockets = proc.net_connections(kind="inet")
+        except psutil.NoSuchProcess:
+            continue  # a worker that ended while we looked listens nowhere
+        for sock in sockets:
+            if sock.status != psutil.CONN_LISTEN:
+                continue
+            listening += 1
+            ip = ipaddress.ip_address(sock.laddr.ip)
+            if not (getattr(ip, "ipv4_mapped", None) or ip).is_loopback:
+                beyond.append(f"{proc.pid} {' '.join(proc.cmdline())[:80]} on {sock.laddr.ip}:{sock.laddr.port}")
+    assert any("gcs_server" in " ".join(p.cmdline()) for p in processes if p.is_running()), "no Ray under mesh up"
+    assert listening > 0 and beyond == [], "\n".join(beyond)
+
+
 def _station_groups(targets: Path) -> list[dict]:
     groups = json.loads(targets.read_text())
     assert all(set(g) == {"targets", "labels"} for g in groups)

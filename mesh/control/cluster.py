@@ -9,6 +9,7 @@ stations the new plan no longer uses.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import sys
@@ -19,29 +20,55 @@ from pathlib import Path
 from typing import Callable
 
 import ray
-from ray.exceptions import GetTimeoutError
 
 from mesh.control.cluster_yaml import MeshConfig, RayConfig
 from mesh.control.layer_plan import plan_layers, split_weights
 from mesh.core.config import ConfigError, ModelConfig, StationSpec
 from orchestrator.engine import Engine
 from orchestrator.remote import RemoteLink
+from mesh.control.station_recovery import bring_back
 from station.actor import create_station, station_address, stop_station
 from station.probe import ProbeConfig
+
+_RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's own switch; 0 makes a node's address loopback
 
 
 def connect_ray(config: RayConfig, num_cpus: int) -> bool:
     """Join the Ray cluster at `config.address`, or, when it is None, start a new local Ray of `num_cpus` logical
-    CPUs: never one found through RAY_ADDRESS or a `ray_current_cluster` file that another session left behind. False when Ray was already up in this process (the caller does not own it)."""
+    CPUs, listening on loopback only: never one found through RAY_ADDRESS or a `ray_current_cluster` file that
+    another session left behind. False when Ray was already up in this process (the caller does not own it)."""
     if ray.is_initialized():
         return False
     kw = {"namespace": config.namespace, "include_dashboard": False, "logging_level": "WARNING",
           "log_to_driver": False}
     if config.address is None:
-        ray.init(address="local", num_cpus=num_cpus, **kw)
+        with _loopback_node():
+            ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kw)
     else:
         ray.init(address=config.address, **kw)
     return True
+
+
+@contextlib.contextmanager
+def _loopback_node():
+    """While a new local Ray starts: make its node address loopback, so its GCS, raylet, workers and agents
+    listen on 127.0.0.1 only. Ray (2.x) turns `_node_ip_address="127.0.0.1"` into the host's routable address
+    unless its cluster mode is off (its default on macOS and Windows); that switch is read by this process
+    (a module constant) and by the processes Ray spawns (an environment variable), so both are set for the
+    start and restored after it (the node's address is fixed from then on)."""
+    from ray._private import ray_constants
+
+    saved_constant, saved_env = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(_RAY_CLUSTER_ENV)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ[_RAY_CLUSTER_ENV] = "0"
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_constant
+        if saved_env is None:
+            os.environ.pop(_RAY_CLUSTER_ENV, None)
+        else:
+            os.environ[_RAY_CLUSTER_ENV] = saved_env
 
 
 def check_placement(specs: tuple[StationSpec, ...], nodes: list[dict]) -> None:
@@ -166,29 +193,25 @@ class Cluster:
         return specs
 
     def recover(self, links) -> list:
-        """Bring the current route back after a failed call: keep stations that answer, wait for Ray to
-        restart dead ones, and restart hung ones (a stopped process is not restarted by Ray on its own).
-        Raises when a station is not back within `cluster.restart_timeout_s` (or has no restarts left)."""
-        timeout = self.config.cluster.restart_timeout_s
+        """Bring the current route back after a failed call: keep stations that answer, wait for Ray to restart
+        dead ones (never spending a restart Ray is already spending), restart hung ones, and replace one with no
+        restarts left by a fresh actor for the same layers (see mesh.control.station_recovery). Raises
+        StationLost when a station is not back within `cluster.restart_timeout_s` or cannot be started."""
+        cc = self.config.cluster
+        deadline = time.monotonic() + cc.restart_timeout_s
         moved = False
         with self._scale_lock:
             for spec in self.specs:
                 link = self._links[spec]
                 if link.health():
                     continue  # answering: a lost call, not a lost station
-                handle = self._actors[spec]
-                try:
-                    address = station_address(handle, timeout_s=min(5.0, timeout))
-                except GetTimeoutError:
-                    address = None  # the actor does not answer Ray either: hung
-                if address is None or address == link.address:
-                    self.progress(f"station [{spec.start}, {spec.end}) at {link.address} does not answer: restarting it")
-                    ray.kill(handle, no_restart=False)
-                    address = station_address(handle, timeout_s=timeout)
-                link.close()
-                self._links[spec] = self._link(address)
-                moved = True
-                self.progress(f"station [{spec.start}, {spec.end}) is back at {address}")
+                back = bring_back(spec, self._actors[spec], link, deadline=deadline, call_timeout_s=cc.call_timeout_s,
+                                  create=self._replace, connect=self._link, progress=self.progress)
+                self._actors[spec], self._links[spec] = back.handle, back.link
+                if back.link is not link:
+                    moved = True
+                    self.progress(f"station [{spec.start}, {spec.end}) is back at {back.link.address}"
+                                  + (" (a fresh actor)" if back.replaced else ""))
             links = [self._links[s] for s in self.specs]
         if moved and self.on_restart is not None:
             try:
@@ -210,8 +233,8 @@ class Cluster:
                 self._scale_lock.release()
             sick = next((link for link in links if not link.health()), None)
             if sick is not None and not self._stopping.is_set() and sick in self._links.values():  # not retired since
-                self.progress(f"station at {sick.address} fails its health check: recovering the route")
-                self.engine.recover_route()
+                if self.engine.recover_route():  # said once per recovery, not at every look while it runs
+                    self.progress(f"station at {sick.address} fails its health check: recovering the route")
 
     # ---- status ----------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -258,6 +281,12 @@ class Cluster:
         return create_station(self.model_dir, spec, host=cc.station_host, max_restarts=cc.max_restarts,
                               token=self.token, tls=self.tls,
                               probe=ProbeConfig(period_s=cc.health_period_s, hang_s=cc.call_timeout_s))
+
+    def _replace(self, spec: StationSpec):
+        """Start a fresh actor for `spec` in place of one that is gone for good (a new restart budget); it is
+        the spec's actor from now on, so a later recovery waits for it and `stop` ends it."""
+        self._actors[spec] = handle = self._create(spec)
+        return handle
 
     def _link(self, address: str):
         return RemoteLink(address, timeout_s=self.config.cluster.call_timeout_s, token=self.token, tls=self.tls)
