@@ -20,7 +20,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
 def kernel_dir() -> Path:

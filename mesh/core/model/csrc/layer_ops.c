@@ -21,11 +21,11 @@ static inline float tree8(const float p[PART]) {
 /* sum_i a[i] * b[i]: PART lanes, a fixed tree, then the tail past the last multiple of PART in order. */
 static inline float dot(const float *a, const float *b, int64_t n) {
     float p[PART] = {0};
-    int64_t i = 0;
-    for (; i + PART <= n; i += PART)
+    int64_t full = n - n % PART;
+    for (int64_t i = 0; i < full; i += PART)
         for (int j = 0; j < PART; j++) p[j] += a[i + j] * b[i + j];
     float sum = tree8(p);
-    for (; i < n; i++) sum += a[i] * b[i];
+    for (int64_t i = full; i < n; i++) sum += a[i] * b[i];
     return sum;
 }
 
@@ -58,6 +58,42 @@ void rope_f32(float *x, int64_t T, int64_t ldx, int64_t heads, int64_t D, const 
     }
 }
 
+/* One row's query head qh [D] against its sequence's keys at positions [first, p] (head g of the paged cache):
+ * the scores, their max, exp and sum in position order, then the values weighted in position order. Called with a
+ * constant D where it can be, so the compiler keeps the D-wide sums in registers; every row takes the same path. */
+static inline __attribute__((always_inline)) void attend_one(
+        const float *qh, const float *kc, const float *vc, const int64_t *tab, int64_t BT, int64_t block_stride,
+        int64_t g, int64_t first, int64_t p, const int64_t D, float scale, float *score, float *o) {
+    float mx = -INFINITY;
+    for (int64_t s = first; s <= p;) {  /* block by block: no division per key */
+        int64_t b = s / BT, off = s % BT, n = BT - off < p + 1 - s ? BT - off : p + 1 - s;
+        const float *key = kc + tab[b] * block_stride + (g * BT + off) * D;
+        for (int64_t j = 0; j < n; j++) {
+            float sc = dot(qh, key + j * D, D) * scale;
+            score[s - first + j] = sc;
+            if (sc > mx) mx = sc;
+        }
+        s += n;
+    }
+    float total = 0.0f;
+    for (int64_t i = 0; i <= p - first; i++) {
+        score[i] = expf(score[i] - mx);
+        total += score[i];
+    }
+    float acc[D];
+    for (int64_t i = 0; i < D; i++) acc[i] = 0.0f;
+    for (int64_t s = first; s <= p;) {
+        int64_t b = s / BT, off = s % BT, n = BT - off < p + 1 - s ? BT - off : p + 1 - s;
+        const float *val = vc + tab[b] * block_stride + (g * BT + off) * D;
+        for (int64_t j = 0; j < n; j++) {
+            float e = score[s - first + j];
+            for (int64_t i = 0; i < D; i++) acc[i] += e * val[j * D + i];
+        }
+        s += n;
+    }
+    for (int64_t i = 0; i < D; i++) o[i] = acc[i] / total;
+}
+
 /* Store every row's k/v [T, KVH, D] in the paged cache [blocks, KVH, BT, D] at its position, then attend each
  * row's query heads q [T, H, D] to its sequence's keys at positions [max(0, pos - window + 1), pos] (window 0:
  * all). tables: every sequence's block table, concatenated; row_table[t]: where row t's table starts;
@@ -79,32 +115,20 @@ void paged_attention_f32(const float *q, const float *k, const float *v, int64_t
 #pragma omp parallel num_threads(team(T * H * max_keys / 512, threads))  /* per thread: >= 8 x 512 keys */
     {
         float *score = malloc(max_keys * sizeof(float));
-        float *acc = malloc(D * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < T * H; task++) {
             int64_t t = task / H, h = task % H, g = h / G, p = row_pos[t];
             int64_t first = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
             const int64_t *tab = tables + row_table[t];
             const float *qh = q + t * ldq + h * D;
-            float mx = -INFINITY;
-            for (int64_t s = first; s <= p; s++) {
-                const float *key = kc + tab[s / BT] * block_stride + (g * BT + s % BT) * D;
-                float sc = dot(qh, key, D) * scale;
-                score[s - first] = sc;
-                if (sc > mx) mx = sc;
-            }
-            float total = 0.0f;
-            for (int64_t i = 0; i < D; i++) acc[i] = 0.0f;
-            for (int64_t s = first; s <= p; s++) {
-                float e = expf(score[s - first] - mx);
-                total += e;
-                const float *val = vc + tab[s / BT] * block_stride + (g * BT + s % BT) * D;
-                for (int64_t i = 0; i < D; i++) acc[i] += e * val[i];
-            }
             float *o = out + (t * H + h) * D;
-            for (int64_t i = 0; i < D; i++) o[i] = acc[i] / total;
+            if (D == 64)
+                attend_one(qh, kc, vc, tab, BT, block_stride, g, first, p, 64, scale, score, o);
+            else if (D == 128)
+                attend_one(qh, kc, vc, tab, BT, block_stride, g, first, p, 128, scale, score, o);
+            else
+                attend_one(qh, kc, vc, tab, BT, block_stride, g, first, p, D, scale, score, o);
         }
         free(score);
-        free(acc);
     }
 }
