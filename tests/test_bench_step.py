@@ -31,6 +31,6 @@ def test_bench_step_profile_splits_the_decode_step(tiny_llama):
     assert figures["linear_backend"] in ("packed", "onednn", "aten")
     for batch in ("1", "4"):
         ms = figures["profile_ms"][batch]
-        assert ms["linears"] > 0 and ms["attention"] > 0 and ms["step"] > 0
-        parts = ms["linears"] + ms["attention"] + ms["sampling"] + ms["other"]
-        assert abs(parts - ms["step"]) < 1e-6 * max(1.0, ms["step"]) or ms["other"] == 0.0
+        assert ms["linears"] > 0 and ms["attention"] > 0 and ms["sampling"] > 0
+        # the timed calls lie inside the step, which also runs norms, RoPE and the embedding outside them
+        assert ms["linears"] + ms["attention"] + ms["sampling"] < ms["step"] and ms["other"] > 0

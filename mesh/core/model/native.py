@@ -36,13 +36,14 @@ def kernel_dir() -> Path:
 
 
 def _cpu_model() -> str:
+    """The CPU's model name and feature flags (what -march=native compiles for)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    model = next((line for line in lines if line.startswith("model name")), "")
+    flags = next((line for line in lines if line.startswith("flags")), "")
+    return model + flags or platform.processor()
 
 
 def _build(compiler: str, target: Path) -> None:

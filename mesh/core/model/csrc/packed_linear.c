@@ -6,8 +6,9 @@
  * features, never k, so a row's result is the same alone or among any others.
  *
  * The weight is packed once as [N / 64][K][64] (N padded to a multiple of 64 with zeros): a tile of 64 output
- * features reads one contiguous stream, each x value is broadcast against it, and a row tile of up to 4 rows
- * keeps 16 vector accumulators in registers, so the weight is read once per call whatever T is.
+ * features reads one contiguous stream, each x value is broadcast against it, and a row tile of up to 6 rows
+ * keeps its accumulators in registers; k is walked in blocks of 64 whose weights stay in L1 while every row tile
+ * passes, so the weight comes from memory once per call whatever T is.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,20 +26,16 @@
 #if defined(__AVX512F__)
 #define LANES 16
 typedef __m512 vec;
-INLINE vec vzero(void) { return _mm512_setzero_ps(); }
 INLINE vec vload(const float *p) { return _mm512_loadu_ps(p); }
 INLINE vec vbroadcast(const float *p) { return _mm512_set1_ps(*p); }
 INLINE vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-INLINE vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 INLINE void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LANES 8
 typedef __m256 vec;
-INLINE vec vzero(void) { return _mm256_setzero_ps(); }
 INLINE vec vload(const float *p) { return _mm256_loadu_ps(p); }
 INLINE vec vbroadcast(const float *p) { return _mm256_broadcast_ss(p); }
 INLINE vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-INLINE vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 INLINE void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
 #else
 #error "packed_linear needs AVX2 with FMA, or AVX-512"
@@ -104,6 +101,3 @@ void packed_linear_f32(const float *x, int64_t T, int64_t ldx, int64_t K, const 
         free(accbuf);
     }
 }
-
-/* The vector width this library was built for (16: AVX-512, 8: AVX2). */
-int packed_linear_lanes(void) { return LANES; }
