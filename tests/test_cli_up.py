@@ -37,6 +37,15 @@ def _post(url, body, timeout=300):
         return json.loads(r.read())
 
 
+def _long_request_in_background(url: str, max_tokens: int) -> tuple[threading.Thread, dict]:
+    """Start a greedy completion of exactly `max_tokens` tokens in a thread: (the thread, the dict its reply fills)."""
+    reply: dict = {}
+    worker = threading.Thread(target=lambda: reply.update(_post(url + "/v1/completions", {
+        "prompt": [1, 5, 9], "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})))
+    worker.start()
+    return worker, reply
+
+
 def _wait_healthy(url: str, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -141,10 +150,7 @@ def test_sigterm_drains_then_stops_every_station(tmp_path, env, tiny_llama):
     proc, url = _mesh_up(tmp_path, env, tiny_llama, "cluster: {shutdown_timeout_s: 120}\n")
     try:
         station_pids = _station_pids(url, env)
-        long = {}
-        worker = threading.Thread(target=lambda: long.update(_post(url + "/v1/completions", {
-            "prompt": [1, 5, 9], "max_tokens": 900, "ignore_eos": True, "temperature": 0})))
-        worker.start()
+        worker, long = _long_request_in_background(url, 900)
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
@@ -168,10 +174,7 @@ def test_ctrl_c_drains_then_exits_0_without_a_traceback(tmp_path, env, tiny_llam
     """SIGINT (Ctrl-C) ends `mesh up` as SIGTERM does: the admitted request finishes, exit code 0, no traceback."""
     proc, url = _mesh_up(tmp_path, env, tiny_llama, "cluster: {shutdown_timeout_s: 120}\n")
     try:
-        long = {}
-        worker = threading.Thread(target=lambda: long.update(_post(url + "/v1/completions", {
-            "prompt": [1, 5, 9], "max_tokens": 300, "ignore_eos": True, "temperature": 0})))
-        worker.start()
+        worker, long = _long_request_in_background(url, 300)
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
         worker.join(timeout=300)
