@@ -46,6 +46,13 @@ def _long_request_in_background(url: str, max_tokens: int) -> tuple[threading.Th
     return worker, reply
 
 
+def _finished_then_exited(proc: subprocess.Popen, worker: threading.Thread, reply: dict, max_tokens: int) -> str:
+    """The background completion ran to its full length, then `mesh up` exited: its output."""
+    worker.join(timeout=300)
+    assert reply["choices"][0]["finish_reason"] == "length" and reply["usage"]["completion_tokens"] == max_tokens
+    return proc.communicate(timeout=120)[0]
+
+
 def _wait_healthy(url: str, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -157,9 +164,7 @@ def test_sigterm_drains_then_stops_every_station(tmp_path, env, tiny_llama):
         with pytest.raises(urllib.error.HTTPError) as refused:
             _post(url + "/v1/completions", {"prompt": "late", "max_tokens": 4}, timeout=30)
         assert refused.value.code == 503
-        worker.join(timeout=300)
-        assert long["choices"][0]["finish_reason"] == "length" and long["usage"]["completion_tokens"] == 900
-        out, _ = proc.communicate(timeout=120)
+        out = _finished_then_exited(proc, worker, long, 900)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -177,9 +182,7 @@ def test_ctrl_c_drains_then_exits_0_without_a_traceback(tmp_path, env, tiny_llam
         worker, long = _long_request_in_background(url, 300)
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
-        worker.join(timeout=300)
-        assert long["choices"][0]["finish_reason"] == "length" and long["usage"]["completion_tokens"] == 300
-        out, _ = proc.communicate(timeout=120)
+        out = _finished_then_exited(proc, worker, long, 300)
     finally:
         if proc.poll() is None:
             proc.kill()
