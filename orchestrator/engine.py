@@ -141,6 +141,9 @@ class Engine:
             decode_tokens_per_s=(s.decode_tokens - old[2]) / span if self._rates else 0.0,
             kv_bytes_used=sum(k.bytes_used for k in kv), kv_bytes_total=sum(k.bytes_total for k in kv),
             preemptions=s.preemptions, refusals=dict(s.refusals), finished=dict(s.finished),
+            prefix_cache=s.prefix_cache, prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits, kv_blocks_cached=s.kv_blocks_cached,
+            kv_bytes_cached=s.kv_blocks_cached * sum(k.bytes_total // k.blocks_total for k in kv),
             recovery_seconds=recovery, route_error=route_error)
 
     def switch_route(self, links: list[StationLink], timeout: float = 120.0) -> None:
@@ -265,10 +268,12 @@ class Engine:
             self._in_flight += 1
             now = time.monotonic()
             self._sent[plan.wave_id] = now
-            for e in plan.entries:
-                if e.start_pos == 0 and (owner := self._seq_owner.get(e.seq_id)) is not None:
+            for seq_id, cached in plan.admitted:
+                if (owner := self._seq_owner.get(seq_id)) is not None:
                     stream = self._live[owner[0]].stream
                     stream.scheduled_at = stream.scheduled_at or now
+                    if owner[1] == 0:
+                        stream.cached_tokens = cached
             self.pipeline.submit(plan)
 
     def _finish_wave(self, plan: WavePlan, samples, error: BaseException | None) -> None:

@@ -65,13 +65,18 @@ class _EngineCollector(Collector):
                     ("num_requests_waiting", s.waiting, "Sequences in the waiting queue."),
                     ("num_waves_in_flight", s.waves_in_flight, "Waves sent to the stations and not yet committed."),
                     ("kv_cache_usage_perc", s.kv_bytes_used / s.kv_bytes_total if s.kv_bytes_total else 0.0,
-                     "Fraction of the stations' KV bytes in use (1 = full).")):
+                     "Fraction of the stations' KV bytes in use (1 = full)."),
+                    ("prefix_cache_blocks", s.kv_blocks_cached, "KV blocks kept for prefix reuse, referenced by none."),
+                    ("prefix_cache_bytes", s.kv_bytes_cached, "Bytes of those blocks over every station."),
+                    ("prefix_cache_enabled", int(s.prefix_cache), "1 while shared prompt prefixes are reused.")):
                 yield GaugeMetricFamily(PREFIX + name, doc, value=value)
             for name, value, doc in (
                     ("num_preemptions", s.preemptions, "Sequences preempted to free KV (recomputed later)."),
                     ("waves", s.waves, "Waves committed."),
                     ("wave_prefill_rows", s.prefill_tokens, "Prompt and recompute rows computed in waves."),
-                    ("wave_decode_rows", s.decode_tokens, "Decode rows computed in waves.")):
+                    ("wave_decode_rows", s.decode_tokens, "Decode rows computed in waves."),
+                    ("prefix_cache_queries", s.prefix_cache_queries, "Prompt tokens looked up in the prefix cache."),
+                    ("prefix_cache_hits", s.prefix_cache_hits, "Prompt tokens found in the prefix cache.")):
                 yield CounterMetricFamily(PREFIX + name, doc, value=value)
             for reason, count in s.refusals.items():
                 refusals[reason] = refusals.get(reason, 0) + count

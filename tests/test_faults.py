@@ -144,6 +144,8 @@ def _when_streaming(engine, streams, tokens=40, timeout=60):
 
 def test_sigkill_station_mid_stream_recovers_every_token(local_ray, tiny_llama):
     prompts, params = jobs(16, max_tokens=200)
+    shared = [(13 * j) % 480 + 6 for j in range(48)]  # a prefix every prompt shares: cached blocks at the kill
+    prompts = [p[:1] + shared + p[1:] for p in prompts]
     ref = reference(tiny_llama, prompts, params)
     cluster = _cluster(tiny_llama, call_timeout_s=5, restart_timeout_s=60)
     try:
@@ -159,6 +161,7 @@ def test_sigkill_station_mid_stream_recovers_every_token(local_ray, tiny_llama):
         print(f"\nrecovery after SIGKILL: {recovery[0]:.2f}s")
         after = cluster.engine.submit(prompts[0], params[0]).result(timeout=120)[0]  # serves afterwards
         assert after.token_ids == ref[0]
+        assert cluster.engine.stats().prefix_cache_hits > 0  # the cache was dropped at the recovery and rebuilt
     finally:
         cluster.stop()
 

@@ -267,11 +267,13 @@ class SchedulerConfig:
     short_prompt_tokens: int = 64  # a prompt this long or shorter counts as short
     max_skips: int = 8  # a request passed over this many times is admitted next, short or not
     extra_waves: int = 0  # waves in flight beyond one per station: hides call latency, in smaller groups
+    prefix_cache: bool = True  # reuse committed KV blocks of shared prompt prefixes (where the stations make it exact)
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_wave_tokens", "max_queue", "short_prompt_tokens", "max_skips"):
             v = getattr(self, name)
             _require(is_int(v) and v > 0, f"scheduler.{name} must be a positive integer, got {v!r}")
+        _require(isinstance(self.prefix_cache, bool), f"scheduler.prefix_cache must be true or false, got {self.prefix_cache!r}")
         _require(is_int(self.extra_waves) and self.extra_waves >= 0,
                  f"scheduler.extra_waves must be an integer >= 0, got {self.extra_waves!r}")
         _require(self.max_wave_tokens >= self.max_seqs,
