@@ -42,6 +42,8 @@ def spec_from(spec: StationSpec | Mapping[str, Any]) -> StationSpec:
     d = dict(spec)
     if "layers" in d:
         d["layers"] = tuple(d["layers"])
+    if "resources" in d:
+        d["resources"] = tuple(tuple(pair) for pair in d["resources"])
     return StationSpec(**d)
 
 
@@ -134,7 +136,7 @@ def create_station(model_dir: str | Path, spec: StationSpec, *, name: str | None
     Call tasks are never retried by Ray (max_task_retries=0): a wave lost with a dead station is
     replayed by the orchestrator, which knows what the KV held.
     """
-    remote_cls = ray.remote(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
+    remote_cls = ray.remote(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=dict(spec.resources),
                             max_restarts=max_restarts, max_task_retries=0)(StationActor)
     if name is not None:
         remote_cls = remote_cls.options(name=name)
