@@ -43,7 +43,7 @@ def connect_ray(config: RayConfig, num_cpus: int) -> bool:
     kw = {"namespace": config.namespace, "include_dashboard": False, "logging_level": "WARNING",
           "log_to_driver": False}
     if config.address is None:
-        with _loopback_node():
+        with loopback_node():
             ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kw)
     else:
         ray.init(address=config.address, **kw)
@@ -51,7 +51,7 @@ def connect_ray(config: RayConfig, num_cpus: int) -> bool:
 
 
 @contextlib.contextmanager
-def _loopback_node():
+def loopback_node():
     """While a new local Ray starts: make its node address loopback, so its GCS, raylet, workers and agents
     listen on 127.0.0.1 only. Ray (2.x) turns `_node_ip_address="127.0.0.1"` into the host's routable address
     unless its cluster mode is off (its default on macOS and Windows); that switch is read by this process
