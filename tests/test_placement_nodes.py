@@ -145,3 +145,22 @@ def test_a_resource_no_node_has_is_refused_before_any_station_starts(two_nodes, 
     assert "station [3, 6): resources.wm_node_c=1 but no node of this Ray cluster has that much wm_node_c" in out, out
     assert "wm_node_a, wm_node_b" in out and "loading" not in out, out[-3000:]
     assert len(two_nodes.cluster.global_state.actor_table(None)) == before  # no actor was ever created
+
+
+def test_placement_needs_one_node_with_everything_a_station_asks_for():
+    """No Ray: the check over node records. Each resource exists somewhere, but a station needs them on one node."""
+    from mesh.control.placement import check_placement
+    from mesh.core.config import ConfigError, StationSpec
+
+    nodes = [{"Alive": True, "Resources": {"CPU": 4.0, "wm_node_a": 1.0}},
+             {"Alive": True, "Resources": {"CPU": 4.0, "GPU": 1.0, "wm_node_b": 1.0}},
+             {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0, "wm_node_a": 1.0}}]  # a dead node holds nothing
+    check_placement((StationSpec((0, 3), num_gpus=1, resources=(("wm_node_b", 1.0),)),), nodes)
+    with pytest.raises(ConfigError, match=r"station \[0, 3\): no single node of this Ray cluster has "
+                                          r"num_gpus=1, num_cpus=1, resources.wm_node_a=1 at once"):
+        check_placement((StationSpec((0, 3), num_gpus=1, resources=(("wm_node_a", 1.0),)),), nodes)
+    with pytest.raises(ConfigError, match=r"station \[3, 6\): resources.wm_node_a=2 but no node .* \(largest: 1\); "
+                                          r"custom resources on its nodes: wm_node_a, wm_node_b$"):
+        check_placement((StationSpec((3, 6), resources=(("wm_node_a", 2.0),)),), nodes)
+    with pytest.raises(ConfigError, match=r"station \[0, 6\): num_gpus=2 but no node .* GPU \(largest: 1\)$"):
+        check_placement((StationSpec((0, 6), num_gpus=2),), nodes)
