@@ -105,7 +105,8 @@ class StationActor:
     def placement(self) -> dict[str, Any]:
         """Where the station runs: its pid and Ray node, the cores its process may use now, whether they are
         pinned (and why not), and its torch thread count."""
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": ray.util.get_node_ip_address(),
                 "cpu_affinity": sorted(os.sched_getaffinity(0)), "cpu_pinned": self.cores.pinned,
                 "cpu_pinning_note": self.cores.reason, "torch_threads": on_compute_thread(torch.get_num_threads)}
 

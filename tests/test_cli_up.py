@@ -53,9 +53,11 @@ def _finished_then_exited(proc: subprocess.Popen, worker: threading.Thread, repl
     return proc.communicate(timeout=120)[0]
 
 
-def _wait_healthy(url: str, timeout: float = 180.0) -> None:
+def _wait_healthy(url: str, timeout: float = 180.0, proc: subprocess.Popen | None = None) -> None:
+    """Wait until `url`/health answers 200; fail at `timeout`, or at once with its output when `proc` has exited."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        assert proc is None or proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else proc.returncode
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as r:
                 if r.status == 200:

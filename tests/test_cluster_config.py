@@ -292,6 +292,10 @@ def test_direct_construction_is_validated():
         ModelSource()
     with pytest.raises(ConfigError, match="kv_bytes"):
         MeshConfig(station_count=1, kv_bytes=0)
+    with pytest.raises(ConfigError, match=r"resources: expected \(name, amount\) pairs"):
+        StationSpec((0, 6), resources={"zone_a": 1})  # a dict is not hashable: specs are dict keys
+    with pytest.raises(ConfigError, match="resources: zone_a: expected a number > 0, got -1"):
+        StationSpec((0, 6), resources=(("zone_a", -1),))
 
 
 @pytest.mark.parametrize("build, field", [

@@ -22,6 +22,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402 - after importorskip
 
 from mesh.control.cluster import loopback_node  # noqa: E402
+from test_cli_up import _wait_healthy  # noqa: E402 - one way to wait for `mesh up`
 
 STATION_CLASS = "StationActor"
 
@@ -54,17 +55,8 @@ def two_nodes():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _mesh_up(nodes, tmp_path, model_dir, stations_yaml: str) -> tuple[subprocess.Popen, str]:
+def _mesh_up(nodes, tmp_path, port: int, model_dir, stations_yaml: str) -> tuple[subprocess.Popen, str]:
     """`mesh up` of `model_dir` joining the two-node cluster, with these `stations:` lines; (process, base URL)."""
-    port = _free_port()
     cfg = tmp_path / "placed.yaml"
     cfg.write_text(f"ray: {{address: '{nodes.address}'}}\nmodel: {{path: {model_dir}}}\n"
                    f"stations:\n{stations_yaml}scheduler: {{max_seqs: 4, max_wave_tokens: 32}}\n"
@@ -89,25 +81,12 @@ def _get(url: str, timeout: float = 30):
         return json.loads(r.read())
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    pytest.fail("mesh up never became healthy")
-
-
 def test_each_station_runs_on_the_node_its_resources_name_and_dies_with_a_killed_mesh_up(two_nodes, tmp_path,
-                                                                                          tiny_llama):
-    proc, url = _mesh_up(two_nodes, tmp_path, tiny_llama, "  - {layers: [0, 3], resources: {wm_node_b: 1}}\n"
-                                              "  - {layers: [3, 6], resources: {wm_node_a: 1}}\n")
+                                                                                          tiny_llama, free_port):
+    stations = "  - {layers: [0, 3], resources: {wm_node_b: 1}}\n  - {layers: [3, 6], resources: {wm_node_a: 1}}\n"
+    proc, url = _mesh_up(two_nodes, tmp_path, free_port(), tiny_llama, stations)
     try:
-        _wait_healthy(proc, url)
+        _wait_healthy(url, timeout=240, proc=proc)
         status = _get(url + "/v1/status")
         by_layers = {tuple(s["layers"]): s for s in status["stations"]}
         live = _live_stations(two_nodes)
@@ -131,10 +110,10 @@ def test_each_station_runs_on_the_node_its_resources_name_and_dies_with_a_killed
             proc.wait(timeout=30)
 
 
-def test_a_resource_no_node_has_is_refused_before_any_station_starts(two_nodes, tmp_path, tiny_llama):
+def test_a_resource_no_node_has_is_refused_before_any_station_starts(two_nodes, tmp_path, tiny_llama, free_port):
     before = len(two_nodes.cluster.global_state.actor_table(None))
-    proc, url = _mesh_up(two_nodes, tmp_path, tiny_llama, "  - {layers: [0, 3], resources: {wm_node_a: 1}}\n"
-                                              "  - {layers: [3, 6], resources: {wm_node_c: 1}}\n")
+    stations = "  - {layers: [0, 3], resources: {wm_node_a: 1}}\n  - {layers: [3, 6], resources: {wm_node_c: 1}}\n"
+    proc, url = _mesh_up(two_nodes, tmp_path, free_port(), tiny_llama, stations)
     try:
         out, _ = proc.communicate(timeout=120)
     finally:

@@ -228,10 +228,12 @@ class StationSpec:
     resources: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.resources, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in self.resources),
+        _require(isinstance(self.resources, tuple)
+                 and all(isinstance(pair, tuple) and len(pair) == 2 for pair in self.resources),
                  f"resources: expected (name, amount) pairs, got {self.resources!r}")
         for name, amount in self.resources:
-            _require(isinstance(name, str) and name != "", f"resources: a name must be a non-empty string, got {name!r}")
+            _require(isinstance(name, str) and name != "",
+                     f"resources: a name must be a non-empty string, got {name!r}")
             _require(name not in ("CPU", "GPU", "memory", "object_store_memory"),
                      f"resources: {name} is asked for with num_cpus / num_gpus, not as a custom resource")
             _require(isinstance(amount, (int, float)) and not isinstance(amount, bool) and math.isfinite(amount)
