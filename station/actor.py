@@ -58,6 +58,7 @@ class StationActor:
         spec = spec_from(spec)
         # the station's num_cpus cores are its own: pinned where the node has them free (before any torch thread
         # starts, so the compute thread and its OpenMP team inherit them), and as many torch threads
+        self._spec = spec
         self.cores = claim_cores(spec.num_cpus, _core_claim_dir())
         if not self.cores.pinned:
             print(f"wavemesh station [{spec.start}, {spec.end}): {self.cores.reason}", file=sys.stderr, flush=True)
@@ -109,6 +110,13 @@ class StationActor:
                 "node_ip": ray.util.get_node_ip_address(),
                 "cpu_affinity": sorted(os.sched_getaffinity(0)), "cpu_pinned": self.cores.pinned,
                 "cpu_pinning_note": self.cores.reason, "torch_threads": on_compute_thread(torch.get_num_threads)}
+
+    def pin(self) -> bool:
+        """Claim the station's cores again if it runs unpinned (cores others held when it started, such as the
+        old route's stations while the mesh grows, may be free now); True when it is pinned."""
+        if not self.cores.pinned:
+            self.cores = claim_cores(self._spec.num_cpus, _core_claim_dir())
+        return self.cores.pinned
 
     def shutdown(self, grace: float = 1.0) -> None:
         """Stop the gRPC server (health goes NOT_SERVING first) and the metrics endpoint; the actor

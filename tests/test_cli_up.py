@@ -128,6 +128,15 @@ def test_mesh_up_serves_and_scales_mid_stream(tmp_path, env, tiny_llama):
         for t in threads:
             t.join(timeout=300)
         assert results == reference
+        # the 3 new stations started while the old one held a core; once it retired, one of them took that core
+        want, pinned = min(3, len(os.sched_getaffinity(0))), None
+        for _ in range(20):  # bounded: the stations claim in the background after the switch
+            stations = json.loads(_mesh("status", "--url", url, "--json", env=env).stdout)["stations"]
+            pinned = sum(bool(s["cpu_pinned"]) for s in stations)
+            if pinned == want:
+                break
+            time.sleep(0.5)
+        assert pinned == want, stations
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)

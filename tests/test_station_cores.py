@@ -33,3 +33,24 @@ def test_a_core_another_station_holds_is_not_taken(tmp_path):
     finally:
         os.close(spare)
     assert os.sched_getaffinity(0) == before
+
+
+def test_a_claim_made_again_after_the_holder_left_pins_the_process(tmp_path):
+    """A station that started while another held its core claims it once the other is gone (as after a reroute)."""
+    from station.cores import pin_process
+
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    other = os.open(tmp_path / f"core-{core}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        assert not claim_cores(1, tmp_path, available={core}).pinned
+    finally:
+        os.close(other)  # the other station ends
+    again = claim_cores(1, tmp_path, available={core})
+    try:
+        assert again.pinned and again.cores == (core,) and os.sched_getaffinity(0) == {core}
+    finally:
+        again.release()
+        pin_process(before)  # this test process gets its cores back
+    assert os.sched_getaffinity(0) == before

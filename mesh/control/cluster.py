@@ -180,6 +180,8 @@ class Cluster:
                         self._retire(old)
                     self.specs = specs
                     self._generation += 1
+                    for spec in specs:  # the retired stations' cores are free: an unpinned station claims them
+                        self._actors[spec].pin.remote()
             except BaseException:
                 with self._scale_lock:
                     for spec in [s for s in specs if s not in self.specs]:
