@@ -223,8 +223,21 @@ class StationSpec:
     # bits never depend on its wave: packed for float32, then oneDNN; else F.linear) | packed (the project's own
     # C kernel, float32, or refuse) | onednn (or refuse) | aten (F.linear: MKL's bits vary with the row count)
     linear_backend: str = "auto"
+    # Ray custom resources the station's node must have, as sorted (name, amount) pairs (YAML: {NAME: amount}),
+    # e.g. a label a KubeRay worker group advertises: they place the station on that node
+    resources: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.resources, tuple)
+                 and all(isinstance(pair, tuple) and len(pair) == 2 for pair in self.resources),
+                 f"resources: expected (name, amount) pairs, got {self.resources!r}")
+        for name, amount in self.resources:
+            _require(isinstance(name, str) and name != "",
+                     f"resources: a name must be a non-empty string, got {name!r}")
+            _require(name not in ("CPU", "GPU", "memory", "object_store_memory"),
+                     f"resources: {name} is asked for with num_cpus / num_gpus, not as a custom resource")
+            _require(isinstance(amount, (int, float)) and not isinstance(amount, bool) and math.isfinite(amount)
+                     and amount > 0, f"resources: {name}: expected a number > 0, got {amount!r}")
         _require(self.linear_backend in ("auto", "aten", "onednn", "packed"),
                  f"linear_backend: expected auto, aten, onednn or packed, got {self.linear_backend!r}")
         _require(isinstance(self.layers, tuple) and len(self.layers) == 2
