@@ -122,4 +122,6 @@ class EngineStats:
     kv_blocks_cached: int = 0  # KV blocks nobody references, kept for reuse
     kv_bytes_cached: int = 0  # their bytes over every station
     recovery_seconds: tuple[float, ...] = ()  # how long each rebuild of the route after a lost station took
+    route_switches: int = 0  # route switches begun (mesh scale, add-station)
+    route_switch_pauses: tuple[float, ...] = ()  # per switch: the longest wait of a live stream for its next token
     route_error: str | None = None  # set while a lost station is not back (new requests get 503)
