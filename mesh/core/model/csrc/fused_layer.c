@@ -29,7 +29,7 @@ void paged_attention_f32(const float *q, const float *k, const float *v, int64_t
  * explicit fused multiply-add or a single operation, so the vector and scalar forms give the same bits. Inputs are
  * clamped to [-87, 88] (beyond them SiLU is 0 or x to float32's precision anyway). */
 static inline float exp_f32(float x) {
-    x = fminf(fmaxf(x, -87.0f), 88.0f);
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
     float n = rintf(x * 1.44269504088896341f);
     float r = fmaf(n, -0.693145751953125f, x);
     r = fmaf(n, -1.428606765330187e-06f, r);
