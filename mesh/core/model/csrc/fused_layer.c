@@ -2,7 +2,7 @@
  *
  * Per layer: RMSNorm -> fused q/k/v linear -> RoPE -> KV write into the paged pool and paged attention -> o_proj
  * + residual -> RMSNorm -> fused gate/up linear -> SiLU(gate) * up -> down + residual, through the same kernels
- * the per-op path calls (packed_linear.c, layer_ops.c, silu_mul_f32 below), on the same inputs in the same order:
+ * the per-op path calls (packed_linear.c, layer_ops.c), on the same inputs in the same order:
  * a row's bits are those of the per-op path, alone or in any company, at any thread count. The scratch rows are
  * allocated once per call and reused by every layer.
  */
@@ -23,41 +23,7 @@ void paged_attention_f32(const float *q, const float *k, const float *v, int64_t
                          const int64_t *tables, const int64_t *row_table, const int64_t *row_pos, int64_t window,
                          float scale, float *out, int threads);
 
-#define MIN_ROWS_PER_THREAD 8 /* as layer_ops.c: fewer rows per thread than this run on one thread */
-
-/* e^x for float32: x = n ln2 + r (|r| <= ln2 / 2), a degree-7 polynomial in r, scaled by 2^n; every step an
- * explicit fused multiply-add or a single operation, so the vector and scalar forms give the same bits. Inputs are
- * clamped to [-87, 88] (beyond them SiLU is 0 or x to float32's precision anyway). */
-static inline float exp_f32(float x) {
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    float n = rintf(x * 1.44269504088896341f);
-    float r = fmaf(n, -0.693145751953125f, x);
-    r = fmaf(n, -1.428606765330187e-06f, r);
-    float p = fmaf(1.9875691500e-4f, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p, r * r, r) + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
-
-/* out[t, i] = silu(gu[t, i]) * gu[t, I + i] for gu [T, 2I] (gate then up) -> out [T, I]; silu(g) = g / (1 + e^-g).
- * Each row walks i the same way whatever T, so its bits do not depend on its company. */
-void silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out, int threads) {
-#pragma omp parallel for num_threads(T >= (int64_t)threads * MIN_ROWS_PER_THREAD ? threads : 1) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const float *g = gu + t * 2 * I, *u = g + I;
-        float *o = out + t * I;
-        for (int64_t i = 0; i < I; i++) {
-            float s = g[i] / (1.0f + exp_f32(-g[i]));
-            o[i] = s * u[i];
-        }
-    }
-}
+void silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out, int threads);
 
 /* One layer's parameters, as addresses in a row of the weights table (0: none). */
 enum { IN_NORM, POST_NORM, QKV_W, QKV_B, O_W, O_B, GATE_UP_W, DOWN_W, FIELDS };
