@@ -13,6 +13,21 @@
 #define PART 8 /* partial sums per dot product: one AVX2 vector, summed by a fixed tree */
 #define MIN_ROWS_PER_THREAD 8 /* fewer rows than this per thread: one thread (a team costs more than the rows) */
 
+/* This thread's scratch buffer number `slot` (0: the packed linear's accumulators, 1: attention scores) of at least
+ * `floats` floats, 64-byte aligned: grown when a call needs more, otherwise reused, so the kernels allocate nothing
+ * per call once a station has served its largest wave. Contents are not kept between calls. */
+float *thread_scratch(int slot, size_t floats) {
+    static __thread float *buf[2];
+    static __thread size_t cap[2];
+    if (floats > cap[slot]) {
+        free(buf[slot]);
+        size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
+        buf[slot] = aligned_alloc(64, bytes);
+        cap[slot] = buf[slot] ? bytes / sizeof(float) : 0;
+    }
+    return buf[slot];
+}
+
 static inline int team(int64_t rows, int threads) { return rows >= (int64_t)threads * MIN_ROWS_PER_THREAD ? threads : 1; }
 
 /* e^x for float32: x = n ln2 + r (|r| <= ln2 / 2), a degree-7 polynomial in r, scaled by 2^n; every step an
@@ -203,7 +218,7 @@ void paged_attention_f32(const float *q, const float *k, const float *v, int64_t
     }
 #pragma omp parallel num_threads(team(T * H * max_keys / 512, threads))  /* per thread: >= 8 x 512 keys */
     {
-        float *score = malloc(max_keys * sizeof(float));
+        float *score = thread_scratch(1, max_keys);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < T * H; task++) {
             int64_t t = task / H, h = task % H, g = h / G, p = row_pos[t];
@@ -218,6 +233,5 @@ void paged_attention_f32(const float *q, const float *k, const float *v, int64_t
             else
                 attend_one(qh, kc, vc, tab, BT, block_stride, g, first, p, D, scale, score, o);
         }
-        free(score);
     }
 }
