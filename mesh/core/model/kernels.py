@@ -165,7 +165,7 @@ def native_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 
 def native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of gate_up [T, 2I] float32 (gate, then up) -> [T, I] by csrc/fused_layer.c."""
+    """silu(gate) * up of gate_up [T, 2I] float32 (gate, then up) -> [T, I] by csrc/layer_ops.c."""
     t, two_i = gate_up.shape
     gate_up = gate_up.contiguous()
     out = torch.empty(t, two_i // 2, dtype=torch.float32)  # [T, I]
