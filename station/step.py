@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from mesh.core.compute import on_compute_thread
 from mesh.core.config import ModelConfig, StationSpec
+from mesh.core.model.fused import fuse_layers
 from mesh.core.model.kernels import use_linear_backend
 from mesh.core.model.loader import TORCH_DTYPES, load_range
 from mesh.core.sampling import sample_tokens
@@ -147,6 +148,7 @@ class Station:
         self.model, self.load_report = load_range(self.model_dir, self.config, spec.start, spec.end, spec.dtype,
                                                   spec.device)
         self.linear_backend = use_linear_backend(self.model, spec.linear_backend, self.device, self.dtype)
+        self.fused = fuse_layers(self.model)  # every layer in one native call where all run the packed kernels
         self.kv = KVPool(self.config, spec, block_tokens)
 
     @property
@@ -197,7 +199,10 @@ class Station:
         ctx = (NativeWaveAttention(self.kv, self.spec.start, entries, self.config.sliding_window)
                if self.linear_backend == "packed"  # the native float32 kernels (mesh.core.model.kernels)
                else WaveAttention(self.kv, self.spec.start, entries, self.device, self.config.sliding_window))
-        hidden = self.model(hidden, positions, ctx)  # [T, d]
+        if self.fused is not None and isinstance(ctx, NativeWaveAttention):
+            hidden = ctx.run_layers(self.fused, hidden, positions)  # [T, d], the model's bits in one C call
+        else:
+            hidden = self.model(hidden, positions, ctx)  # [T, d]
         if not self.is_last:
             return hidden, None, None
         last_rows, params, token_pos = [], [], []
