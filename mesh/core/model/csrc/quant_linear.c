@@ -81,6 +81,9 @@ static int64_t block_bytes(int qtype) { return qtype == Q8_0 ? 34 : qtype == Q4_
 
 static float half_to_float(const uint8_t *p) { /* IEEE binary16 (little-endian) -> float32, exactly */
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
     float f;
     if (exp == 0) {
@@ -94,6 +97,32 @@ static float half_to_float(const uint8_t *p) { /* IEEE binary16 (little-endian) 
     }
     memcpy(&f, &bits, 4);
     return f;
+#endif
+}
+
+/* Bytes [off, off + 16) of 16 rows, transposed: out + j * stride gets byte off + j of rows 0..15. Four rounds of
+ * interleaves, each pairing twice as many bytes: rows (2i, 2i+1) by byte, then by 2, 4 and 8 bytes. */
+static void transpose16(const uint8_t *const rows[16], int64_t off, uint8_t *out, int64_t stride) {
+    __m128i r[16], s[16], t[16], u[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm_loadu_si128((const __m128i *)(rows[i] + off));
+    for (int i = 0; i < 8; i++) {  /* s[8h + i]: bytes 8h..8h+7, each as rows (2i, 2i+1) */
+        s[i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+        s[8 + i] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++)  /* t[4q + i]: bytes 4q..4q+3, each as rows 4i..4i+3 */
+        for (int i = 0; i < 4; i++) {
+            t[8 * h + i] = _mm_unpacklo_epi16(s[8 * h + 2 * i], s[8 * h + 2 * i + 1]);
+            t[8 * h + 4 + i] = _mm_unpackhi_epi16(s[8 * h + 2 * i], s[8 * h + 2 * i + 1]);
+        }
+    for (int q = 0; q < 4; q++)  /* u[2p + half]: bytes 2p, 2p+1, each as rows 8 half .. 8 half + 7 */
+        for (int half = 0; half < 2; half++) {
+            u[4 * q + half] = _mm_unpacklo_epi32(t[4 * q + 2 * half], t[4 * q + 2 * half + 1]);
+            u[4 * q + 2 + half] = _mm_unpackhi_epi32(t[4 * q + 2 * half], t[4 * q + 2 * half + 1]);
+        }
+    for (int p = 0; p < 8; p++) {
+        _mm_storeu_si128((__m128i *)(out + 2 * p * stride), _mm_unpacklo_epi64(u[2 * p], u[2 * p + 1]));
+        _mm_storeu_si128((__m128i *)(out + (2 * p + 1) * stride), _mm_unpackhi_epi64(u[2 * p], u[2 * p + 1]));
+    }
 }
 
 /* Repack a linear's rows, given as `parts` GGUF tensors side by side (part p: rows[p] rows of K / 32 blocks at
@@ -103,30 +132,33 @@ void quant_repack(const uint8_t *const *src, const int64_t *rows, const int64_t 
                   int64_t K, int qtype, uint8_t *dst, int threads) {
     int64_t N = 0, groups = K / GROUP, gbytes = quant_group_bytes(qtype), bb = block_bytes(qtype);
     int64_t row_bytes = groups * bb, head = qtype == Q4_1 ? 4 : 2, scales = qtype == Q4_1 ? 2 : 1;
-    int64_t nq = bb - head; /* quant bytes per block */
     for (int p = 0; p < parts; p++) N += rows[p];
     int64_t tiles = (N + QTILE_N - 1) / QTILE_N;
+    uint8_t *zero_row = calloc(1, (size_t)row_bytes); /* the rows past N: scale, minimum and quants zero */
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t ti = 0; ti < tiles; ti++) {
         uint8_t *tile = dst + ti * groups * gbytes;
-        int64_t valid = N - ti * QTILE_N < QTILE_N ? N - ti * QTILE_N : QTILE_N;
-        if (valid < QTILE_N) memset(tile, 0, (size_t)(groups * gbytes));
-        for (int lane = 0; lane < valid; lane++) {
-            int64_t n = ti * QTILE_N + lane, p = 0;
+        const uint8_t *row[QTILE_N];
+        for (int i = 0; i < QTILE_N; i++) {
+            int64_t n = ti * QTILE_N + i, p = 0;
+            if (n >= N) { row[i] = zero_row; continue; }
             while (n >= rows[p]) n -= rows[p++];
-            const uint8_t *row = src[p] + (order[p] ? order[p][n] : n) * row_bytes;
-            for (int64_t g = 0; g < groups; g++) {
-                const uint8_t *blk = row + g * bb;
-                uint8_t *grp = tile + g * gbytes;
-                for (int s = 0; s < scales; s++) {
-                    float f = half_to_float(blk + 2 * s);
-                    memcpy(grp + (s * QTILE_N + lane) * 4, &f, 4);
+            row[i] = src[p] + (order[p] ? order[p][n] : n) * row_bytes;
+        }
+        for (int64_t g = 0; g < groups; g++) {  /* a group's bytes written while in L1, 16 rows at a time */
+            uint8_t *grp = tile + g * gbytes, *qs = grp + scales * QTILE_N * 4;
+            for (int i = 0; i < QTILE_N; i++)
+                for (int sc = 0; sc < scales; sc++) {
+                    float f = half_to_float(row[i] + g * bb + 2 * sc);
+                    memcpy(grp + (sc * QTILE_N + i) * 4, &f, 4);
                 }
-                uint8_t *qs = grp + scales * QTILE_N * 4 + lane;
-                for (int64_t j = 0; j < nq; j++) qs[j * QTILE_N] = blk[head + j];
+            for (int lg = 0; lg < QTILE_N; lg += 16) {
+                transpose16(row + lg, g * bb + head, qs + lg, QTILE_N);
+                if (qtype == Q8_0) transpose16(row + lg, g * bb + head + 16, qs + lg + 16 * QTILE_N, QTILE_N);
             }
         }
     }
+    free(zero_row);
 }
 
 /* The 64 rows' weights of one k of a group, dequantized into w[64] (qtype a constant where inlined). */
