@@ -190,6 +190,17 @@ def _packed(linear: Linear) -> None:
         linear.bias = nn.Parameter(pad_bias(linear.bias.detach()), requires_grad=False)
 
 
+def _meta_linear(in_features: int, out_features: int) -> Linear:
+    """A Linear of these shapes, its weight on meta and no bias: nn.Linear's set-up without its random
+    initialization (a tenth of the cost; the weights are assigned next)."""
+    linear = Linear.__new__(Linear)
+    nn.Module.__init__(linear)
+    linear.in_features, linear.out_features = in_features, out_features
+    linear.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
+    linear.register_parameter("bias", None)
+    return linear
+
+
 def _fused(*parts: Linear) -> Linear | None:
     """One packed Linear computing the parts' outputs side by side (each output's bits as the part's own); None
     where the parts cannot share one weight (some kept quantized and some not, or of different types)."""
@@ -197,7 +208,7 @@ def _fused(*parts: Linear) -> Linear | None:
     if any(q is not None for q in quant) and (None in quant or len({r.qtype for q in quant for r in q}) > 1):
         return None
     has_bias = any(p.bias is not None for p in parts)  # a part without a bias gets zeros (x + 0 is x)
-    fused = Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=has_bias, device="meta")
+    fused = _meta_linear(parts[0].in_features, sum(p.out_features for p in parts))
     if quant[0] is not None:
         fused.quant_rows = tuple(r for q in quant for r in q)
     else:

@@ -79,7 +79,7 @@ static int64_t quant_group_bytes(int qtype) {
 
 static int64_t block_bytes(int qtype) { return qtype == Q8_0 ? 34 : qtype == Q4_0 ? 18 : 20; }
 
-static float half_to_float(const uint8_t *p) { /* IEEE binary16 (little-endian) -> float32, exactly */
+__attribute__((unused)) static float half_to_float(const uint8_t *p) { /* IEEE binary16 (little-endian) -> float32, exactly */
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
 #if defined(__F16C__)
     return _cvtsh_ss(h);
@@ -125,6 +125,21 @@ static void transpose16(const uint8_t *const rows[16], int64_t off, uint8_t *out
     }
 }
 
+/* The float16 scale (and, with 2 scales, the minimum after it) at byte `off` of 16 rows, as float32 into d[0..15]
+ * (and d[64..79]). */
+static void scales16(const uint8_t *const rows[16], int64_t off, int scales, float *d) {
+#if defined(__AVX512F__)
+    uint32_t w[16];  /* each row's first 4 bytes: scale | minimum << 16 (a Q8_0 / Q4_0 block's first quants) */
+    for (int i = 0; i < 16; i++) memcpy(&w[i], rows[i] + off, 4);
+    __m512i v = _mm512_loadu_si512(w);
+    _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
+    if (scales == 2) _mm512_storeu_ps(d + QTILE_N, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))));
+#else
+    for (int i = 0; i < 16; i++)
+        for (int sc = 0; sc < scales; sc++) d[sc * QTILE_N + i] = half_to_float(rows[i] + off + 2 * sc);
+#endif
+}
+
 /* Repack a linear's rows, given as `parts` GGUF tensors side by side (part p: rows[p] rows of K / 32 blocks at
  * src[p], HF row r at raw row order[p][r], or r where order[p] is NULL), into the tile layout at dst (N = the sum
  * of the parts' rows; ceil(N / 64) tiles of K / 32 groups). */
@@ -147,11 +162,7 @@ void quant_repack(const uint8_t *const *src, const int64_t *rows, const int64_t 
         }
         for (int64_t g = 0; g < groups; g++) {  /* a group's bytes written while in L1, 16 rows at a time */
             uint8_t *grp = tile + g * gbytes, *qs = grp + scales * QTILE_N * 4;
-            for (int i = 0; i < QTILE_N; i++)
-                for (int sc = 0; sc < scales; sc++) {
-                    float f = half_to_float(row[i] + g * bb + 2 * sc);
-                    memcpy(grp + (sc * QTILE_N + i) * 4, &f, 4);
-                }
+            for (int lg = 0; lg < QTILE_N; lg += 16) scales16(row + lg, g * bb, scales, (float *)grp + lg);
             for (int lg = 0; lg < QTILE_N; lg += 16) {
                 transpose16(row + lg, g * bb + head, qs + lg, QTILE_N);
                 if (qtype == Q8_0) transpose16(row + lg, g * bb + head + 16, qs + lg + 16 * QTILE_N, QTILE_N);
