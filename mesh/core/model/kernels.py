@@ -35,7 +35,7 @@ from torch import nn
 
 from mesh.core.model.llama import MLP, Attention, Linear, RMSNorm
 from mesh.core.model.native import load_native
-from mesh.core.model.quant_linear import quant_linear, repack
+from mesh.core.model.quant_linear import linear_operands, quant_linear, repack
 
 LINEAR_BACKENDS = ("auto", "aten", "onednn", "packed")
 BATCH_INVARIANT_BACKENDS = ("packed", "onednn")  # a row's bits do not depend on the other rows of its wave
@@ -99,13 +99,8 @@ def pad_bias(b: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int) -> torch.Tensor:
     """x [T, K] float32 @ packed w [tiles, K, 64] (+ padded b) -> [T, n] through csrc/packed_linear.c."""
-    lib, why = load_native()
-    if lib is None:
-        raise RuntimeError(why)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    lib, x, out = linear_operands(x, n)
     t, k = x.shape
-    out = torch.empty(t, n, dtype=torch.float32)  # [T, n]
     lib.packed_linear_f32(x.data_ptr(), t, x.stride(0), k, w.data_ptr(), n,
                           None if b is None else b.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out

@@ -86,15 +86,20 @@ def repack(parts: Sequence[QuantRows]) -> torch.Tensor:
     return out
 
 
-def quant_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int, qtype: Q) -> torch.Tensor:
-    """x [T, K] float32 @ the repacked w (`repack`) of n rows (+ b padded to whole tiles) -> [T, n]."""
+def linear_operands(x: torch.Tensor, n: int) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
+    """For a native linear of n outputs: (the library, x [T, K] with unit column stride, the output [T, n])."""
     lib, why = load_native()
     if lib is None:
         raise RuntimeError(why)
     if x.stride(-1) != 1:
         x = x.contiguous()
+    return lib, x, torch.empty(x.shape[0], n, dtype=torch.float32)
+
+
+def quant_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int, qtype: Q) -> torch.Tensor:
+    """x [T, K] float32 @ the repacked w (`repack`) of n rows (+ b padded to whole tiles) -> [T, n]."""
+    lib, x, out = linear_operands(x, n)
     t, k = x.shape
-    out = torch.empty(t, n, dtype=torch.float32)  # [T, n]
     lib.quant_linear_f32(x.data_ptr(), t, x.stride(0), k, w.data_ptr(), KERNEL_CODES[qtype], n,
                          None if b is None else b.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
