@@ -123,3 +123,20 @@ def test_other_dtypes_and_unasked_loads_dequantize_as_before(quant_files):
     kept, _ = on_compute_thread(load_range, path, CFG, 0, 4, "float32", "cpu", True)
     with pytest.raises(ValueError, match="aten cannot run weights kept quantized"):
         use_linear_backend(kept, "aten", torch.device("cpu"), torch.float32)
+
+
+def test_parts_of_mixed_kinds_run_unfused_with_the_same_bits(quant_files):
+    path, hf_dir = quant_files[Q.Q4_1]
+    kept, _ = on_compute_thread(load_range, path, CFG, 0, 4, "float32", "cpu", True)
+    dense, _ = on_compute_thread(load_range, hf_dir, CFG, 0, 4)
+    attn, dense_attn = kept.model.layers["1"].self_attn, dense.model.layers["1"].self_attn
+    attn.v_proj.weight, attn.v_proj.quant_rows = dense_attn.v_proj.weight, None  # v dense, q and k still blocks
+    for model in (kept, dense):
+        use_linear_backend(model, "packed", torch.device("cpu"), torch.float32)
+    assert attn.qkv_proj is None and kept.model.layers["0"].self_attn.qkv_proj is not None
+    assert (attn.q_proj.weight_layout, attn.k_proj.weight_layout, attn.v_proj.weight_layout) == ("q4_1", "q4_1", "packed")
+    x = torch.randn(5, CFG.hidden_size)
+    names = ("q_proj", "k_proj", "v_proj")
+    want = dense_attn.qkv_proj(x).split([getattr(dense_attn, n).out_features for n in names], dim=1)
+    for name, w in zip(names, want):
+        assert torch.equal(getattr(attn, name)(x), w), name
