@@ -140,3 +140,14 @@ def test_parts_of_mixed_kinds_run_unfused_with_the_same_bits(quant_files):
     want = dense_attn.qkv_proj(x).split([getattr(dense_attn, n).out_features for n in names], dim=1)
     for name, w in zip(names, want):
         assert torch.equal(getattr(attn, name)(x), w), name
+
+
+def test_qwen2_biases_and_q4_0_keep_the_dequantized_bits(model_dirs, tmp_path):
+    path = write_gguf(model_dirs["qwen2"], tmp_path / "qwen2-q4_0.gguf", Q.Q4_0)  # q/k/v biases, tied head
+    hf_dir = convert_gguf(path, tmp_path / "hf", progress=False)
+    layers = ModelConfig.from_dir(path).num_hidden_layers
+    quant, dense = (Station(p, StationSpec(layers=(0, layers))) for p in (path, hf_dir))
+    kept = [m for m in quant.model.modules() if isinstance(m, Linear) and m.kernel is not None]
+    assert {m.weight_layout for m in kept} == {"q4_0"} and any(m.bias is not None for m in kept)
+    prompts = [[1, 5, 9, 33, 2], [7, 8]]
+    assert torch.equal(_logits(quant, prompts, 0), _logits(dense, prompts, 0))
