@@ -27,6 +27,7 @@ KERNEL_CODES = {Q.Q8_0: 0, Q.Q4_0: 1, Q.Q4_1: 2}  # the types quant_linear.c hol
 BLOCK_WEIGHTS = 32
 BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}  # float16 scale (and minimum), then the quants
 TILE_ROWS = 64
+REPACK_THREADS = 1  # a byte transpose, ~4 G weights/s on one core; a second thread's wake-up costs more where busy
 GROUP_BYTES = {Q.Q8_0: 64 * 4 + 32 * 64, Q.Q4_0: 64 * 4 + 16 * 64, Q.Q4_1: 64 * 8 + 16 * 64}  # one tile's group
 
 
@@ -81,7 +82,7 @@ def repack(parts: Sequence[QuantRows]) -> torch.Tensor:
     lib.quant_repack((ctypes.c_void_p * n)(*(r.ctypes.data for r in raws)),
                      (ctypes.c_int64 * n)(*(p.out_features for p in parts)),
                      (ctypes.c_void_p * n)(*(None if o is None else o.ctypes.data for o in orders)),
-                     n, k, KERNEL_CODES[qtype], out.data_ptr(), torch.get_num_threads())
+                     n, k, KERNEL_CODES[qtype], out.data_ptr(), REPACK_THREADS)
     return out
 
 
