@@ -240,7 +240,8 @@ def use_packed_linears(model: nn.Module) -> None:
 
 def _drop_weights(linear: Linear) -> None:
     """Free a Linear whose work a fused one took over (its shapes stay for the split)."""
-    linear.weight = nn.Parameter(torch.empty(linear.weight.shape, device="meta"), requires_grad=False)
+    if linear.weight.device.type != "meta":  # one kept quantized holds a meta weight already
+        linear.weight = nn.Parameter(torch.empty(linear.weight.shape, device="meta"), requires_grad=False)
     linear.quant_rows = None
     if linear.bias is not None:
         linear.bias = nn.Parameter(torch.empty(linear.bias.shape, device="meta"), requires_grad=False)
