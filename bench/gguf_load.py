@@ -3,12 +3,19 @@
     python bench/gguf_load.py [--model FILE.gguf] [--layers 0-15] [--repeats 7]
 
 Default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF and its float32 safetensors conversion in the cache.
-Reports the median seconds of `load_range` (meta build + reads + dequantize + assign) for each, and the
-GGUF's header parse alone (`GGUFCheckpoint`), which every load pays once: the runs alternate, and the
-process's cache of parsed GGUF headers is cleared before each GGUF one (a station process parses once).
-`float32_write_s` is the time to write the station's dequantized weights once (np.ones of as many float32
-values): a floor for any load that materializes float32 weights, where memory-mapped float32 safetensors
-write nothing.
+Medians of alternated runs, in seconds, each side as a station of this machine's `auto` linear backend does it
+(float32 on CPU; packed where the native kernels build):
+  safetensors_s           load_range of the float32 directory: meta build, memory-mapped tensors assigned (the
+                          issue's reference: nothing written)
+  safetensors_station_s   the same plus use_linear_backend: every matrix copied into packed float32 tiles
+  gguf_s                  the GGUF station load: header parse, load_range keeping Q8_0/Q4_0/Q4_1 matrices as the
+                          file's blocks (the embedding a row lookup), use_linear_backend repacking them into
+                          quant_linear's tiles (other types dequantized); with another backend, gguf_dequantized_s
+  gguf_dequantized_s      load_range dequantizing every tensor to float32 (a station on another backend or dtype)
+  gguf_header_s           the header parse alone (`GGUFCheckpoint`), which every GGUF load pays once
+  float32_write_s         writing as many float32 values as the dequantized layers hold (np.ones): the floor of any
+                          load that materializes float32 weights
+The process's cache of parsed GGUF headers is cleared before each GGUF run (a station process parses once).
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from mesh.control.cli import resolve_model
 from mesh.core.compute import on_compute_thread
@@ -27,6 +35,7 @@ from mesh.core.config import ModelConfig
 from mesh.core.model.gguf_convert import SMOLLM2, convert_gguf, smollm2_gguf
 from mesh.core.model.gguf_file import GGUFCheckpoint
 from mesh.core.model.gguf_header import clear_header_cache
+from mesh.core.model.kernels import resolve_linear_backend, use_linear_backend
 from mesh.core.model.loader import load_range
 
 
@@ -44,33 +53,46 @@ def _cold_gguf(fn):
     return run
 
 
+def _station_load(path: Path, cfg: ModelConfig, start: int, end: int, backend: str, keep_quantized: bool):
+    """load_range then the kernels' set-up, as Station._load does."""
+    model, report = load_range(path, cfg, start, end, keep_quantized=keep_quantized)
+    use_linear_backend(model, backend, torch.device("cpu"), torch.float32)
+    return model, report
+
+
 def main() -> None:
-    """Time both loads of one layer range and print one JSON line."""
+    """Time the loads of one layer range and print one JSON line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="a .gguf file (default: the embedded SmolLM2 Q4_1)")
     p.add_argument("--layers", default="0-15", help="A-B: the station's layer range [A, B)")
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     gguf = Path(args.model) if args.model else smollm2_gguf()
+    backend = resolve_linear_backend("auto", torch.device("cpu"), torch.float32)
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = resolve_model(None, SMOLLM2) if args.model is None else convert_gguf(gguf, Path(tmp) / "hf")
         cfg = ModelConfig.from_dir(hf_dir)
         start, end = (int(x) for x in args.layers.split("-"))
         _, report = on_compute_thread(load_range, gguf, cfg, start, end)
         floats = report.weight_bytes // 4
+        _, kept = on_compute_thread(_station_load, gguf, cfg, start, end, backend, backend == "packed")
         loads = {"safetensors": lambda: on_compute_thread(load_range, hf_dir, cfg, start, end),
-                 "gguf": _cold_gguf(lambda: on_compute_thread(load_range, gguf, cfg, start, end)),
-                 "header": _cold_gguf(lambda: GGUFCheckpoint(gguf)),
-                 "write": lambda: on_compute_thread(np.ones, floats, np.float32)}
+                 "safetensors_station": lambda: on_compute_thread(_station_load, hf_dir, cfg, start, end, backend,
+                                                                  False),
+                 "gguf": _cold_gguf(lambda: on_compute_thread(_station_load, gguf, cfg, start, end, backend,
+                                                              backend == "packed")),
+                 "gguf_dequantized": _cold_gguf(lambda: on_compute_thread(load_range, gguf, cfg, start, end)),
+                 "gguf_header": _cold_gguf(lambda: GGUFCheckpoint(gguf)),
+                 "float32_write": lambda: on_compute_thread(np.ones, floats, np.float32)}
         times: dict[str, list[float]] = {k: [] for k in loads}
         for _ in range(args.repeats):  # alternating, so a change in the machine's load hits both alike
             for k, fn in loads.items():
                 times[k].append(_seconds(fn))
-        sf, gg, header, write = (statistics.median(times[k]) for k in ("safetensors", "gguf", "header", "write"))
-    print(json.dumps({"model": gguf.name, "layers": [start, end], "safetensors_s": round(sf, 3),
-                      "gguf_s": round(gg, 3), "gguf_header_s": round(header, 3), "float32_write_s": round(write, 3),
-                      "gguf_over_safetensors": round(gg / sf, 2),
-                      "gguf_reads_over_safetensors": round((gg - header) / sf, 2)}))
+    med = {f"{k}_s": round(statistics.median(v), 3) for k, v in times.items()}
+    print(json.dumps({"model": gguf.name, "layers": [start, end], "backend": backend, **med,
+                      "gguf_weight_bytes": kept.weight_bytes, "dequantized_weight_bytes": report.weight_bytes,
+                      "gguf_over_safetensors": round(med["gguf_s"] / med["safetensors_s"], 2),
+                      "gguf_over_safetensors_station": round(med["gguf_s"] / med["safetensors_station_s"], 2)}))
 
 
 if __name__ == "__main__":

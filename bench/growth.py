@@ -101,9 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.close()
     print(f"\nSWITCH (pause-and-re-prefill) {a.streams} streams x {a.context}-token contexts, model {model_dir.name}")
-    print(f"{'to':>3} {'longest gap s':>14} {'median gap s':>13} {'ratio':>7} {'switch call s':>14} {'live tokens':>12}")
+    print(f"{'to':>3} {'longest gap s':>14} {'engine pause s':>15} {'median gap s':>13} {'ratio':>7} {'switch call s':>14} "
+          f"{'live tokens':>12}")
     for s in switches:
-        print(f"{s['to_stations']:>3} {s['longest_gap_s']:>14.3f} {s['median_gap_before_s']:>13.4f} "
+        print(f"{s['to_stations']:>3} {s['longest_gap_s']:>14.3f} {s['engine_pause_s'] or 0:>15.3f} "
+              f"{s['median_gap_before_s']:>13.4f} "
               f"{s['gap_ratio']:>6.1f}x {s['switch_call_s']:>14.3f} {s['live_context_tokens']:>12}")
     worst = max(s["gap_ratio"] for s in switches)
     print(f"target: longest gap <= {TARGET_GAP_RATIO:.0f}x the median gap before: {worst:.1f}x "

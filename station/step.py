@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from mesh.core.compute import on_compute_thread
 from mesh.core.config import ModelConfig, StationSpec
 from mesh.core.model.fused import fuse_layers
-from mesh.core.model.kernels import use_linear_backend
+from mesh.core.model.kernels import resolve_linear_backend, use_linear_backend
 from mesh.core.model.loader import TORCH_DTYPES, load_range
 from mesh.core.sampling import sample_tokens
 from mesh.core.wave import KVUsage, StationOutput, WaveEntry, wave_rows
@@ -145,9 +145,10 @@ class Station:
 
     def _load(self, block_tokens: int) -> None:
         spec = self.spec
+        backend = resolve_linear_backend(spec.linear_backend, self.device, self.dtype)
         self.model, self.load_report = load_range(self.model_dir, self.config, spec.start, spec.end, spec.dtype,
-                                                  spec.device)
-        self.linear_backend = use_linear_backend(self.model, spec.linear_backend, self.device, self.dtype)
+                                                  spec.device, keep_quantized=backend == "packed")
+        self.linear_backend = use_linear_backend(self.model, backend, self.device, self.dtype)
         self.fused = fuse_layers(self.model)  # every layer in one native call where all run the packed kernels
         self.kv = KVPool(self.config, spec, block_tokens)
 

@@ -27,7 +27,7 @@ STEPS = 24
 CFG = ModelConfig(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
                   rope_theta=10000.0, max_position_embeddings=1024)
-TYPES = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0}
+TYPES = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0, "q4_1": Q.Q4_1}
 
 
 @pytest.fixture(scope="module")

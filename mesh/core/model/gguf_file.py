@@ -212,7 +212,20 @@ class GGUFCheckpoint:
         """Tensor `name` dequantized to float32, in the Hugging Face layout (q/k rows un-permuted)."""
         t = self._tensor(name)
         w = dequantize_f32(self.header.tensor_bytes(t), t.tensor_type).reshape(t.hf_shape)  # a new array
-        if self.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-            heads = self._arch_meta("attention.head_count")
-            w = unpermute_rows(w, heads if ".q_proj." in name else self._arch_meta("attention.head_count_kv", heads))
-        return w
+        order = self.row_order(name)
+        return w if order is None else w[order]
+
+    def blocks(self, name: str) -> tuple[Q, np.ndarray]:
+        """Tensor `name`'s type and bytes as stored (rows of blocks, memory-mapped, nothing read; see row_order)."""
+        t = self._tensor(name)
+        return t.tensor_type, self.header.tensor_bytes(t)
+
+    def row_order(self, name: str) -> np.ndarray | None:
+        """Where each HF row of tensor `name` is stored (int64: HF row r is stored row order[r]), or None when the
+        file keeps HF's order: llama.cpp reorders llama's q_proj and k_proj rows within each head."""
+        if self.arch != "llama" or not (".q_proj." in name or ".k_proj." in name):
+            return None
+        heads = self._arch_meta("attention.head_count")
+        if ".k_proj." in name:
+            heads = self._arch_meta("attention.head_count_kv", heads)
+        return unpermute_rows(np.arange(self.shape(name)[0], dtype=np.int64), heads)

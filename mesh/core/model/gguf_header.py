@@ -4,13 +4,15 @@ GGUF (llama.cpp's format, version 2 or 3, little-endian) starts with the magic, 
 and key counts, then each key with its typed value, then each tensor's name, dimensions (innermost
 first), type and offset into the aligned data section. The `gguf` package's reader turns every array
 element into numpy parts on open; a tokenizer's 49k-token and 49k-merge string arrays made that most
-of a station's load. Here a string array is only walked by its lengths to find where it ends, and
+of a station's load. Here a string array is only walked by its lengths to find where it ends (by
+csrc/gguf_scan.c where the native kernels build), and
 decoded when someone asks for it (the tokenizer), once; numeric arrays are numpy views of the map.
 A header is read once per process for a given file (path, size and modification time): the config
 check, the tokenizer, the chat template and the station of one process share it. No torch here.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import struct
@@ -22,6 +24,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quant_shape_to_byte_shape
+
+from mesh.core.model.native import load_native
 
 MAGIC, VERSIONS, DEFAULT_ALIGNMENT = b"GGUF", (2, 3), 32
 _SCALARS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
@@ -153,6 +157,13 @@ class GGUFHeader:
         raise HeaderError(f"key {key}: unknown array element type {sub}")
 
     def _skip_strings(self, pos: int, count: int) -> int:
+        lib, _ = load_native()
+        if lib is not None:  # the native loop (csrc/gguf_scan.c), where it builds
+            end = ctypes.c_int64()
+            lib.gguf_skip_strings(self.data.ctypes.data, len(self.data), pos, count, ctypes.byref(end))
+            if end.value < 0:
+                raise HeaderError(f"a string array of {count} at byte {pos} runs past the end of the file")
+            return end.value
         unpack, buf = _U64.unpack_from, self._buf
         for _ in range(count):
             pos += 8 + unpack(buf, pos)[0]

@@ -35,6 +35,7 @@ from torch import nn
 
 from mesh.core.model.llama import MLP, Attention, Linear, RMSNorm
 from mesh.core.model.native import load_native
+from mesh.core.model.quant_linear import linear_operands, quant_linear, repack
 
 LINEAR_BACKENDS = ("auto", "aten", "onednn", "packed")
 BATCH_INVARIANT_BACKENDS = ("packed", "onednn")  # a row's bits do not depend on the other rows of its wave
@@ -98,13 +99,8 @@ def pad_bias(b: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int) -> torch.Tensor:
     """x [T, K] float32 @ packed w [tiles, K, 64] (+ padded b) -> [T, n] through csrc/packed_linear.c."""
-    lib, why = load_native()
-    if lib is None:
-        raise RuntimeError(why)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    lib, x, out = linear_operands(x, n)
     t, k = x.shape
-    out = torch.empty(t, n, dtype=torch.float32)  # [T, n]
     lib.packed_linear_f32(x.data_ptr(), t, x.stride(0), k, w.data_ptr(), n,
                           None if b is None else b.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
@@ -186,17 +182,44 @@ def use_native_layer_ops(model: nn.Module) -> None:
 
 
 def _packed(linear: Linear) -> None:
-    linear.weight = nn.Parameter(pack_rows(linear.weight.detach()), requires_grad=False)
+    """Move `linear` onto the packed path: its GGUF blocks repacked for quant_linear when the loader kept them
+    (linear.quant_rows), else its float32 weight packed for packed_linear; weight_layout says which."""
+    if linear.quant_rows is not None:
+        qtype = linear.quant_rows[0].qtype
+        linear.weight = nn.Parameter(repack(linear.quant_rows), requires_grad=False)
+        linear.kernel = partial(quant_linear, n=linear.out_features, qtype=qtype)
+        linear.weight_layout, linear.quant_rows = qtype.name.lower(), None
+    else:
+        linear.weight = nn.Parameter(pack_rows(linear.weight.detach()), requires_grad=False)
+        linear.kernel = partial(packed_linear, n=linear.out_features)
+        linear.weight_layout = "packed"
     if linear.bias is not None:
         linear.bias = nn.Parameter(pad_bias(linear.bias.detach()), requires_grad=False)
-    linear.kernel = partial(packed_linear, n=linear.out_features)
 
 
-def _fused(*parts: Linear) -> Linear:
-    """One packed Linear computing the parts' outputs side by side (each output's bits as the part's own)."""
+def _meta_linear(in_features: int, out_features: int) -> Linear:
+    """A Linear of these shapes, its weight on meta and no bias: nn.Linear's set-up without its random
+    initialization (a tenth of the cost; the weights are assigned next)."""
+    linear = Linear.__new__(Linear)
+    nn.Module.__init__(linear)
+    linear.in_features, linear.out_features = in_features, out_features
+    linear.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
+    linear.register_parameter("bias", None)
+    return linear
+
+
+def _fused(*parts: Linear) -> Linear | None:
+    """One packed Linear computing the parts' outputs side by side (each output's bits as the part's own); None
+    where the parts cannot share one weight (some kept quantized and some not, or of different types)."""
+    quant = [p.quant_rows for p in parts]
+    if any(q is not None for q in quant) and (None in quant or len({r.qtype for q in quant for r in q}) > 1):
+        return None
     has_bias = any(p.bias is not None for p in parts)  # a part without a bias gets zeros (x + 0 is x)
-    fused = Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=has_bias, device="meta")
-    fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
+    fused = _meta_linear(parts[0].in_features, sum(p.out_features for p in parts))
+    if quant[0] is not None:
+        fused.quant_rows = tuple(r for q in quant for r in q)
+    else:
+        fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
     if has_bias:
         fused.bias = nn.Parameter(torch.cat([p.bias.detach() if p.bias is not None else torch.zeros(p.out_features)
                                              for p in parts]), requires_grad=False)
@@ -205,26 +228,33 @@ def _fused(*parts: Linear) -> Linear:
 
 
 def use_packed_linears(model: nn.Module) -> None:
-    """Point every Linear of `model` at packed_linear, its weight replaced by the packed copy (a weight shared
-    with the embedding is copied: the embedding keeps reading the dense one). q/k/v and gate/up run as one
-    fused packed Linear each (one weight stream, one call); their own modules keep only their shapes."""
+    """Point every Linear of `model` at packed_linear (or quant_linear, for weights the loader kept quantized),
+    its weight replaced by the packed copy (a weight shared with the embedding is copied: the embedding keeps
+    reading the dense one). q/k/v and gate/up run as one fused packed Linear each (one weight stream, one call);
+    their own modules keep only their shapes."""
     for module in list(model.modules()):
         if isinstance(module, Attention):
-            module.qkv_proj = _fused(module.q_proj, module.k_proj, module.v_proj)
+            names, attr = ("q_proj", "k_proj", "v_proj"), "qkv_proj"
         elif isinstance(module, MLP):
-            module.gate_up_proj = _fused(module.gate_proj, module.up_proj)
+            names, attr = ("gate_proj", "up_proj"), "gate_up_proj"
         else:
             continue
-        for part in (("q_proj", "k_proj", "v_proj") if isinstance(module, Attention) else ("gate_proj", "up_proj")):
-            _drop_weights(getattr(module, part))
+        fused = _fused(*(getattr(module, name) for name in names))
+        if fused is not None:
+            setattr(module, attr, fused)
+            for name in names:
+                _drop_weights(getattr(module, name))
     for module in model.modules():
-        if isinstance(module, Linear) and module.weight.device.type != "meta" and module.kernel is None:
+        if isinstance(module, Linear) and module.kernel is None and (
+                module.weight.device.type != "meta" or module.quant_rows is not None):
             _packed(module)
 
 
 def _drop_weights(linear: Linear) -> None:
     """Free a Linear whose work a fused one took over (its shapes stay for the split)."""
-    linear.weight = nn.Parameter(torch.empty(linear.weight.shape, device="meta"), requires_grad=False)
+    if linear.weight.device.type != "meta":  # one kept quantized holds a meta weight already
+        linear.weight = nn.Parameter(torch.empty(linear.weight.shape, device="meta"), requires_grad=False)
+    linear.quant_rows = None
     if linear.bias is not None:
         linear.bias = nn.Parameter(torch.empty(linear.bias.shape, device="meta"), requires_grad=False)
 
@@ -244,6 +274,8 @@ def use_linear_backend(model: nn.Module, backend: str, device: torch.device, dty
     """Set up every Linear of `model` for `backend` (see resolve_linear_backend); answers the backend used.
     "packed" also moves the norms and RoPE to the native kernels (the attention context is the station's)."""
     used = resolve_linear_backend(backend, device, dtype)
+    if used != "packed" and any(isinstance(m, Linear) and m.quant_rows is not None for m in model.modules()):
+        raise ValueError(f"linear_backend: {used} cannot run weights kept quantized (only packed can)")
     if used == "packed":
         use_packed_linears(model)
         use_native_layer_ops(model)

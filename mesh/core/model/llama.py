@@ -70,6 +70,8 @@ class Linear(nn.Linear):
     """nn.Linear whose matmul kernel is chosen from outside (mesh.core.model.kernels); F.linear by default."""
 
     kernel = None  # Callable[[x, weight, bias], out] | None
+    weight_layout = "dense"  # what `weight` holds: "dense" [out, in], "packed" f32 tiles, "q8_0"/"q4_0"/"q4_1" blocks
+    quant_rows = None  # the GGUF blocks a loader kept for the packed path (mesh.core.model.quant_linear), until packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""

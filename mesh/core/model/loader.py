@@ -15,10 +15,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from mesh.core.config import ModelConfig
 from mesh.core.model.gguf_file import GGUFCheckpoint, is_gguf
 from mesh.core.model.llama import LlamaRange
+from mesh.core.model.quant_linear import KERNEL_CODES, QuantEmbedding, QuantRows
 from mesh.core.torch_dtypes import TORCH_DTYPES
 
 TIED_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
@@ -57,18 +59,32 @@ def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def load_range(model_dir: str | Path, cfg: ModelConfig, start: int, end: int,
-               dtype: str = "float32", device: str = "cpu") -> tuple[LlamaRange, LoadReport]:
-    """Build layers [start, end) on meta and assign their tensors from the checkpoint."""
+def load_range(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, dtype: str = "float32",
+               device: str = "cpu", keep_quantized: bool = False) -> tuple[LlamaRange, LoadReport]:
+    """Build layers [start, end) on meta and assign their tensors from the checkpoint.
+
+    `keep_quantized` (a GGUF, float32 on CPU, for the packed backend): Q8_0 / Q4_0 / Q4_1 matrices stay as the
+    file's blocks, the Linears' `quant_rows` (their weights stay on meta until kernels.use_packed_linears repacks
+    them) and the embedding a QuantEmbedding, which dequantizes the rows it looks up."""
     if dtype not in TORCH_DTYPES:
         raise CheckpointError(f"dtype: unsupported {dtype!r}")
     torch_dtype = TORCH_DTYPES[dtype]
     with torch.device("meta"):
         model = LlamaRange(cfg, start, end)
     wanted = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    read = _read_gguf if is_gguf(model_dir) else _read_safetensors
-    state, loaded = read(model_dir, cfg, wanted, torch_dtype, device)
+    quant: dict[str, QuantRows] = {}
+    if is_gguf(model_dir):
+        keep = keep_quantized and torch_dtype == torch.float32 and device == "cpu"
+        state, loaded = _read_gguf(model_dir, cfg, wanted, torch_dtype, device, quant if keep else None)
+    else:
+        state, loaded = _read_safetensors(model_dir, cfg, wanted, torch_dtype, device)
     model.load_state_dict(state, strict=True, assign=True)
+    for name, rows in quant.items():
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(owner, nn.Embedding):
+            model.model.embed_tokens = QuantEmbedding(rows)
+        else:
+            owner.quant_rows = (rows,)
     model.inv_freq = model.inv_freq.to(device)
     model.eval().requires_grad_(False)
     return model, LoadReport(tuple(sorted(loaded)), sum(t.numel() * t.element_size() for t in loaded.values()))
@@ -100,18 +116,27 @@ def _read_safetensors(model_dir: str | Path, cfg: ModelConfig, wanted: dict[str,
     return state, loaded
 
 
-def _read_gguf(path: str | Path, cfg: ModelConfig, wanted: dict[str, tuple[int, ...]],
-               torch_dtype: torch.dtype, device: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """As _read_safetensors, from a GGUF file: only the wanted tensors are dequantized (mesh.core.model.gguf_file)."""
+def _read_gguf(path: str | Path, cfg: ModelConfig, wanted: dict[str, tuple[int, ...]], torch_dtype: torch.dtype,
+               device: str, quant: dict[str, QuantRows] | None
+               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """As _read_safetensors, from a GGUF file: only the wanted tensors are dequantized (mesh.core.model.gguf_file).
+    With `quant`, the matrices quant_linear holds are not: their blocks go into `quant` by parameter name (the state
+    keeps the meta parameter) and the read tensors hold their bytes."""
     ckpt = GGUFCheckpoint(path)  # refuses an unsupported architecture or tensor type before any read
     state: dict[str, torch.Tensor] = {}
     loaded: dict[str, torch.Tensor] = {}
     for name, shape in wanted.items():
         src = _source_name(name, ckpt.tensors, cfg)
+        if src not in loaded and ckpt.shape(src) != shape:
+            raise CheckpointError(f"{ckpt.path.name}: tensor {src} has shape {list(ckpt.shape(src))}, "
+                                  f"expected {list(shape)}")
+        qtype, raw = ckpt.blocks(src)
+        if quant is not None and len(shape) == 2 and qtype in KERNEL_CODES:
+            quant[name] = QuantRows(f"{ckpt.path.name}: tensor {src}", qtype, raw, shape[1], ckpt.row_order(src))
+            loaded[src] = torch.empty(raw.nbytes, dtype=torch.uint8, device="meta")  # its size: nothing read
+            state[name] = torch.empty(shape, device="meta")
+            continue
         if src not in loaded:
-            if ckpt.shape(src) != shape:
-                raise CheckpointError(f"{ckpt.path.name}: tensor {src} has shape {list(ckpt.shape(src))}, "
-                                      f"expected {list(shape)}")
             loaded[src] = torch.from_numpy(ckpt.read(src)).to(device=device, dtype=torch_dtype)  # HF layout
         state[name] = loaded[src]
     return state, loaded

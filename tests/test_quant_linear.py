@@ -1,0 +1,153 @@
+"""Quantized-resident GGUF weights on the packed CPU path: the bits of the dequantized float32 packed path."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from mesh.core.compute import on_compute_thread
+from mesh.core.config import ModelConfig, StationSpec
+from mesh.core.model.gguf_convert import convert_gguf
+from mesh.core.model.gguf_write import write_gguf
+from mesh.core.model.kernels import pack_rows, pad_bias, packed_linear, resolve_linear_backend, use_linear_backend
+from mesh.core.model.llama import Linear
+from mesh.core.model.loader import load_range
+from mesh.core.model.quant_linear import QuantEmbedding, QuantFormatError, QuantRows, quant_linear, repack
+from mesh.core.model.synthetic import write_checkpoint
+from mesh.core.params import SamplingParams
+from mesh.core.wave import WaveEntry
+from station.step import Station
+
+pytestmark = pytest.mark.skipif(resolve_linear_backend("auto", torch.device("cpu"), torch.float32) != "packed",
+                                reason="the packed native kernels do not build on this machine")
+KINDS = (Q.Q8_0, Q.Q4_0, Q.Q4_1)
+CFG = ModelConfig(arch="llama", vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=4,
+                  num_attention_heads=6, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+def _blocks(n: int, k: int, qtype: Q, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """Random weights [n, k] quantized to qtype: (the blocks, their float32 dequantized by the gguf package)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    w[0, :32] = 0.0  # a block of zeros (scale 0) too
+    raw = quantize(w, qtype)
+    return raw, torch.from_numpy(np.array(dequantize(raw, qtype), dtype=np.float32))
+
+
+@pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
+def test_kernel_gives_the_packed_float32_bits_at_every_row_and_thread_count(qtype):
+    for n, k in ((5, 32), (131, 96), (70, 160)):  # odd N (partial tiles), K of an odd number of blocks
+        raw, dense = _blocks(n, k, qtype, seed=n)
+        qw, bias = repack([QuantRows("w", qtype, raw, k)]), pad_bias(torch.randn(n))
+        x = torch.randn(17, k) * 3
+        for t in range(1, 18):
+            ref = packed_linear(x[:t], pack_rows(dense), bias, n)
+            assert torch.equal(quant_linear(x[:t], qw, bias, n, qtype), ref), (n, k, t)
+            assert torch.equal(quant_linear(x[:t], qw, None, n, qtype), packed_linear(x[:t], pack_rows(dense), None, n))
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one_thread = quant_linear(x, qw, bias, n, qtype)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one_thread, quant_linear(x, qw, bias, n, qtype))
+
+
+def test_parts_repack_side_by_side_in_their_row_order():
+    (a, da), (b, db) = _blocks(70, 64, Q.Q4_1, 1), _blocks(37, 64, Q.Q4_1, 2)
+    order = np.random.default_rng(3).permutation(70).astype(np.int64)
+    fused = repack([QuantRows("a", Q.Q4_1, a, 64, order), QuantRows("b", Q.Q4_1, b, 64)])
+    x = torch.randn(9, 64)
+    assert torch.equal(quant_linear(x, fused, None, 107, Q.Q4_1),
+                       packed_linear(x, pack_rows(torch.cat([da[torch.from_numpy(order)], db])), None, 107))
+
+
+def test_malformed_blocks_are_refused_with_a_clear_error():
+    raw, _ = _blocks(8, 64, Q.Q4_1, 0)
+    with pytest.raises(QuantFormatError, match=r"w: Q4_1 rows of \[38\] uint8 do not hold 64 weights in blocks of 32"):
+        QuantRows("w", Q.Q4_1, raw[:, :38], 64)
+    with pytest.raises(QuantFormatError, match="do not hold 48 weights"):
+        QuantRows("w", Q.Q4_1, raw, 48)
+    with pytest.raises(QuantFormatError, match="Q8_0 rows of"):
+        QuantRows("w", Q.Q8_0, raw, 64)  # Q4_1 bytes read as Q8_0: 40 bytes a row is no whole block count
+    with pytest.raises(QuantFormatError, match="type Q6_K is not one the quantized kernel holds"):
+        QuantRows("w", Q.Q6_K, raw, 64)
+    with pytest.raises(QuantFormatError, match="differ in type or width"):
+        repack([QuantRows("a", Q.Q4_1, raw, 64), QuantRows("b", Q.Q8_0, quantize(np.ones((2, 64), np.float32),
+                                                                                    Q.Q8_0), 64)])
+
+
+@pytest.fixture(scope="module")
+def quant_files(tmp_path_factory):
+    """{qtype: (gguf file, its dequantized float32 safetensors directory)} of one tied random checkpoint."""
+    root = tmp_path_factory.mktemp("quant")
+    src = write_checkpoint(root / "tiny", CFG)
+    out = {}
+    for qtype in (Q.Q8_0, Q.Q4_1):
+        path = write_gguf(src, root / f"tiny-{qtype.name}.gguf", qtype)
+        out[qtype] = path, convert_gguf(path, root / f"hf-{qtype.name}", progress=False)
+    return out
+
+
+def _logits(station: Station, prompts: list[list[int]], first_seq: int) -> torch.Tensor:
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    entries = tuple(WaveEntry(first_seq + i, 0, len(p), greedy) for i, p in enumerate(prompts))
+    out = station.forward(entries, token_ids=torch.tensor([t for p in prompts for t in p]), want_logits=True)
+    return out.logits
+
+
+@pytest.mark.parametrize("qtype", (Q.Q8_0, Q.Q4_1), ids=lambda q: q.name)
+def test_station_keeps_gguf_weights_quantized_with_the_dequantized_bits(quant_files, qtype):
+    path, hf_dir = quant_files[qtype]
+    quant, dense = Station(path, StationSpec(layers=(0, 4))), Station(hf_dir, StationSpec(layers=(0, 4)))
+    assert quant.linear_backend == dense.linear_backend == "packed"
+    layouts = {m.weight_layout for m in quant.model.modules() if isinstance(m, Linear) and m.kernel is not None}
+    assert layouts == {qtype.name.lower()}  # every matrix, the tied head too, held as blocks
+    assert isinstance(quant.model.model.embed_tokens, QuantEmbedding)
+    assert quant.load_report.weight_bytes < dense.load_report.weight_bytes / 3
+    prompts = [[1, 17, 300, 45, 99, 7, 250], [5, 9], [400, 3, 77]]
+    assert torch.equal(_logits(quant, prompts, 0), _logits(dense, prompts, 0))  # batched prefill, bit for bit
+    alone = _logits(quant, prompts[1:2], 10)
+    assert torch.equal(alone, _logits(dense, prompts[1:2], 10))
+
+
+def test_other_dtypes_and_unasked_loads_dequantize_as_before(quant_files):
+    path, _ = quant_files[Q.Q4_1]
+    for dtype, keep in (("float32", False), ("bfloat16", True)):
+        model, _ = on_compute_thread(load_range, path, CFG, 0, 4, dtype, "cpu", keep)
+        assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
+        assert all(m.quant_rows is None and m.weight.device.type == "cpu"
+                   for m in model.modules() if isinstance(m, Linear))
+    kept, _ = on_compute_thread(load_range, path, CFG, 0, 4, "float32", "cpu", True)
+    with pytest.raises(ValueError, match="aten cannot run weights kept quantized"):
+        use_linear_backend(kept, "aten", torch.device("cpu"), torch.float32)
+
+
+def test_parts_of_mixed_kinds_run_unfused_with_the_same_bits(quant_files):
+    path, hf_dir = quant_files[Q.Q4_1]
+    kept, _ = on_compute_thread(load_range, path, CFG, 0, 4, "float32", "cpu", True)
+    dense, _ = on_compute_thread(load_range, hf_dir, CFG, 0, 4)
+    attn, dense_attn = kept.model.layers["1"].self_attn, dense.model.layers["1"].self_attn
+    attn.v_proj.weight, attn.v_proj.quant_rows = dense_attn.v_proj.weight, None  # v dense, q and k still blocks
+    for model in (kept, dense):
+        use_linear_backend(model, "packed", torch.device("cpu"), torch.float32)
+    assert attn.qkv_proj is None and kept.model.layers["0"].self_attn.qkv_proj is not None
+    assert (attn.q_proj.weight_layout, attn.k_proj.weight_layout, attn.v_proj.weight_layout) == ("q4_1", "q4_1", "packed")
+    x = torch.randn(5, CFG.hidden_size)
+    names = ("q_proj", "k_proj", "v_proj")
+    want = dense_attn.qkv_proj(x).split([getattr(dense_attn, n).out_features for n in names], dim=1)
+    for name, w in zip(names, want):
+        assert torch.equal(getattr(attn, name)(x), w), name
+
+
+def test_qwen2_biases_and_q4_0_keep_the_dequantized_bits(model_dirs, tmp_path):
+    path = write_gguf(model_dirs["qwen2"], tmp_path / "qwen2-q4_0.gguf", Q.Q4_0)  # q/k/v biases, tied head
+    hf_dir = convert_gguf(path, tmp_path / "hf", progress=False)
+    layers = ModelConfig.from_dir(path).num_hidden_layers
+    quant, dense = (Station(p, StationSpec(layers=(0, layers))) for p in (path, hf_dir))
+    kept = [m for m in quant.model.modules() if isinstance(m, Linear) and m.kernel is not None]
+    assert {m.weight_layout for m in kept} == {"q4_0"} and any(m.bias is not None for m in kept)
+    prompts = [[1, 5, 9, 33, 2], [7, 8]]
+    assert torch.equal(_logits(quant, prompts, 0), _logits(dense, prompts, 0))
