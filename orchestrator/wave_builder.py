@@ -115,8 +115,9 @@ class WaveBuilder:
         if seq.replay:
             assert seq.replay.pop(0) == n, "a replayed entry must keep its original size"
         end = seq.num_computed + n
+        held = self._ledger.blocks_for(end)  # the table may hold more (reserved for a longer entry of an aborted wave)
         self.entries.append(WaveEntry(seq.seq_id, seq.num_computed, n, seq.params if end == seq.num_tokens else None,
-                                      tuple(seq.table)))
+                                      tuple(seq.table[:held])))
         if self._ledger.prefix_cache:  # marked at once, so a later admission of this wave waits for them too
             self.names[seq.seq_id] = names = self._ledger.names_filled(seq, end)
             self._ledger.computing(names, +1)

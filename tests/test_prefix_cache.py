@@ -261,3 +261,22 @@ def test_ledger_invariants_hold_over_random_shared_prompts(data):
     s = sched.stats()
     assert s.kv_blocks_used == 0 and s.kv_blocks_cached <= sched.limits.kv_blocks
     assert s.prefix_cache_hits <= s.prefix_cache_queries
+
+
+def test_a_shorter_replan_after_an_aborted_wave_sends_only_the_blocks_it_covers():
+    """An aborted wave leaves its sequence holding blocks for the longer entry; the replanned, shorter entry
+    names only the blocks its positions cover (a station refuses a table of the wrong length)."""
+    sched = make(block_tokens=4, max_seqs=10)
+    station = BlockStation(sched)
+    station.add(0, tuple(range(1, 101)), 2)
+    long_wave = station.plan()  # 64 rows of seq 0: 16 blocks reserved
+    for i in range(1, 9):
+        station.add(i, (500 + i,), 3)
+    station.commit(station.plan())  # the 8 one-token prompts, now decoding
+    sched.abort_wave(long_wave)
+    plan = station.plan()  # 8 decode rows leave 56 for seq 0
+    entry = next(e for e in plan.entries if e.seq_id == 0)
+    assert (entry.n_tokens, len(entry.blocks)) == (56, 14) and len(sched._seqs[0].table) == 16
+    station.commit(plan)
+    station.run()
+    assert sched.stats().kv_blocks_used == 0
