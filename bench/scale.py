@@ -21,6 +21,7 @@ and whether the two paths gave the same tokens. Prints the command and the load;
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -46,7 +47,7 @@ def even_split(num_layers: int, parts: int) -> list[tuple[int, int]]:
     if not 1 <= parts <= num_layers:
         raise ValueError(f"cannot split {num_layers} layers into {parts} stations")
     bounds = [round(i * num_layers / parts) for i in range(parts + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import grpc
 
@@ -70,9 +71,10 @@ class Successors:
             return self._stubs[address][1]
 
     def relay(self, request: pb.ForwardRequest, relay_to: tuple[str, ...], out: StationOutput, kv: pb.KVUsage,
-              time_left_s: float | None) -> pb.ForwardReply:
+              time_left_s: float | None, count_wire: Callable[[str, int], None]) -> pb.ForwardReply:
         """Send `out.hidden` for `request`'s wave to relay_to[0] (with the rest of the list) within `time_left_s`
-        (None: the caller set no deadline, use the default), and build this station's reply from the answer."""
+        (None: the caller set no deadline, use the default), and build this station's reply from the answer.
+        `count_wire(direction, bytes)` is told what went out to the successor and what came back."""
         if out.hidden is None:
             raise RelayError(grpc.StatusCode.INVALID_ARGUMENT,
                              "relay_to: this station samples (it holds the last layer); there is nothing to relay")
@@ -80,6 +82,7 @@ class Successors:
         onward = pb.ForwardRequest(wave_id=request.wave_id, entries=request.entries,
                                    hidden=tensor_to_proto(out.hidden), relay_to=relay_to[1:])
         timeout = self._default_timeout_s if time_left_s is None else max(0.0, time_left_s)
+        count_wire("out", onward.ByteSize())
         t0 = time.perf_counter()
         try:
             answer = self._stub(successor).Forward(onward, timeout=timeout, metadata=self._metadata)
@@ -87,6 +90,7 @@ class Successors:
             raise RelayError(err.code(), f"relay to {successor}: {err.details() or err.code().name}") from None
         except ValueError as err:  # the channel was closed under us (evicted)
             raise RelayError(grpc.StatusCode.UNAVAILABLE, f"relay to {successor}: {err}") from None
+        count_wire("in", answer.ByteSize())
         hop = pb.RelayHop(address=successor, kv=answer.kv, forward_seconds=answer.forward_seconds,
                           served_seconds=answer.served_seconds, call_seconds=time.perf_counter() - t0)
         reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv, relayed=[hop, *answer.relayed])

@@ -96,7 +96,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
         self.metrics_address = metrics_address
         self._lock = threading.Lock()  # one station call at a time: the KV is not thread-safe
         self._pending = threading.BoundedSemaphore(limits.max_pending)
-        self.wire_bytes = {"in": 0, "out": 0}  # Forward request / reply bytes, read by the metrics endpoint
+        self.wire_bytes = {"in": 0, "out": 0}  # Forward bytes, relays to the next station included (/metrics)
         self._wire_lock = threading.Lock()
 
     def _exclusive(self, fn: Callable[[], _R]) -> _R:
@@ -155,7 +155,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
             out, kv = self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, hidden=hidden),
                                                kv_usage_proto(st)))
             if relay_to:  # outside the station lock: the next wave computes while the successors run this one
-                return self.successors.relay(request, relay_to, out, kv, context.time_remaining())
+                return self.successors.relay(request, relay_to, out, kv, context.time_remaining(), self._count_wire)
             if out.hidden is not None:
                 return pb.ForwardReply(hidden=tensor_to_proto(out.hidden), forward_seconds=out.seconds, kv=kv)
             return pb.ForwardReply(samples=samples_to_proto(out.samples or []), forward_seconds=out.seconds, kv=kv)

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import scale  # noqa: E402
-from sim_station import SimModel, SimulatedStation  # noqa: E402
+import scale
+from sim_station import SimModel, SimulatedStation
 
-from mesh.core.wave import WaveEntry  # noqa: E402
-from station.server import start_server  # noqa: E402
-from station.step import StepError  # noqa: E402
+from mesh.core.wave import WaveEntry
+from station.server import start_server
+from station.step import StepError
 
 
 def test_even_split_covers_every_layer_once():

@@ -78,7 +78,9 @@ def _run(model_dir, servers, hidden_path, prompts, params, tls=None):
 @pytest.mark.parametrize("n", sorted(CHAINS))
 def test_direct_equals_hub_and_one_station(tiny_llama, reference, chains, n):
     prompts, params, ref = reference
+    sent_before = chains[n][0].servicer.wire_bytes["out"]
     direct, pipeline, direct_bytes = _run(tiny_llama, chains[n], "direct", prompts, params)
+    relayed = chains[n][0].servicer.wire_bytes["out"] - sent_before  # the station's /metrics count its relays
     hub, hub_pipeline, hub_bytes = _run(tiny_llama, chains[n], "hub", prompts, params)
     assert isinstance(pipeline, RelayPipeline) and hub_pipeline.hidden_path == "hub"
     assert direct == hub == ref
@@ -87,6 +89,7 @@ def test_direct_equals_hub_and_one_station(tiny_llama, reference, chains, n):
     hidden_row = ModelConfig.from_dir(tiny_llama).hidden_size * 4
     rows = sum(len(p) + sp.max_tokens - 1 for p, sp in zip(prompts, params))
     assert direct_bytes[0][1] < rows * hidden_row / 4 < sum(b[0] for b in hub_bytes)
+    assert relayed > rows * hidden_row
     assert all(len(h) > 0 for h in pipeline.hop_seconds)  # every station's hop was reported back
 
 
