@@ -22,6 +22,7 @@ Targets (reported, never asserted): 1 station over gRPC >= 0.9x in-process, and 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -64,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="waves in flight beyond one per station (SchedulerConfig.extra_waves), every config")
     p.add_argument("--repeats", type=int, help="repeats of every point, median (default 3)")
     p.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
+    p.add_argument("--station-cpus", type=float, help="num_cpus of every station (default: cores // stations)")
     p.add_argument("--quick", action="store_true", help="defaults: tiny model, concurrency 1,4, 8 tokens, configs "
                    "inproc,1,2, 1 repeat (explicit flags still win)")
     a = p.parse_args(argv)
@@ -149,9 +151,11 @@ class MeteredLink:
         return {"request": req, "reply": rep, "release": rel, "hidden_payload": hid}
 
 
-def station_specs(cfg: ModelConfig, count: int, dtype: str, balance: str = "memory") -> tuple[StationSpec, ...]:
-    """`count` stations split by `balance`, each with max(1, cores // count) CPUs (= its torch threads)."""
-    cpus = float(max(1, (os.cpu_count() or 1) // count))
+def station_specs(cfg: ModelConfig, count: int, dtype: str, balance: str = "memory",
+                  cpus: float | None = None) -> tuple[StationSpec, ...]:
+    """`count` stations split by `balance`, each with `cpus` (default max(1, cores // count)) CPUs (= its torch
+    threads, and its pinned cores where the machine has them free)."""
+    cpus = float(max(1, (os.cpu_count() or 1) // count)) if cpus is None else cpus
     ranges = plan_layers(cfg.num_hidden_layers, count, split_weights(cfg, dtype, balance))
     return tuple(StationSpec(layers=r, dtype=dtype, num_cpus=cpus) for r in ranges)
 
@@ -201,6 +205,7 @@ def run_point(engine: Engine, links: list[MeteredLink], prompts: list[list[int]]
         "wire_bytes_per_wave": (total["request"] + total["reply"] + total["release"]) / max(waves, 1) if remote else 0,
         "wire_bytes_per_wave_split": {k: v / max(waves, 1) for k, v in total.items()} if remote else None,
         "outputs": [o.token_ids for o in outs],
+        "outputs_sha256": hashlib.sha256(json.dumps([o.token_ids for o in outs]).encode()).hexdigest(),
     }
 
 
@@ -222,15 +227,16 @@ def start_configs(args, model_dir: Path, cfg: ModelConfig, sched: SchedulerConfi
             desc = [{"layers": list(spec.layers), "torch_threads": torch.get_num_threads(), "where": "in-process"}]
             up[name] = (Engine(links, cfg, sched, None), links, desc, None)
             continue
-        specs = station_specs(cfg, int(name), args.dtype, args.balance)
+        specs = station_specs(cfg, int(name), args.dtype, args.balance, args.station_cpus)
         mesh_cfg = MeshConfig(model=ModelSource(path=str(model_dir)), dtype=args.dtype, stations=specs,
                               scheduler=sched)
         cluster = Cluster(mesh_cfg, model_dir, progress=log)
         cluster.start()
         links = [MeteredLink(link, remote=True) for link in cluster.engine.pipeline.links]
         cluster.engine.switch_route(links)  # same stations, now metered
-        desc = [{"layers": list(s.layers), "num_cpus": s.num_cpus, "torch_threads": max(1, int(s.num_cpus)),
-                 "where": "ray+grpc"} for s in specs]
+        desc = [{"layers": list(s.layers), "num_cpus": s.num_cpus, "torch_threads": st.get("torch_threads"),
+                 "cpu_affinity": st.get("cpu_affinity"), "where": "ray+grpc"}
+                for s, st in zip(specs, cluster.status()["stations"])]
         up[name] = (cluster.engine, links, desc, cluster)
 
 

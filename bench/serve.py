@@ -5,6 +5,7 @@
                           [--hf-batch 16] [--threads N] [--no-hf] [--no-detok] [--plot PATH] [--quick]
                           [--temperature T [--top-p P]]
     mesh bench serve ...  (same arguments)
+    mesh bench serve --shared-prefix ...  (prefix cache on vs off: bench/shared_prefix.py)
 
 (a) Concurrency sweep: K equal requests (prompt P, P output tokens, greedy unless --temperature (seed = the
 request's index), ignore_eos) submitted at once to an
@@ -193,7 +194,11 @@ def _strip(run: dict | None) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the sweep and the mixed workload, print the tables, save the plot, end with one JSON line."""
+    """Run the sweep and the mixed workload, print the tables, save the plot, end with one JSON line
+    (`--shared-prefix`: the prefix-cache benchmark, bench/shared_prefix.py, instead)."""
+    if "--shared-prefix" in (sys.argv[1:] if argv is None else argv):
+        import shared_prefix
+        return shared_prefix.main(argv)
     args = parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)

@@ -69,6 +69,7 @@ class SimulatedStation:
         self.config = SimpleNamespace(hidden_size=model.hidden_size, vocab_size=model.vocab_size,
                                       num_hidden_layers=model.num_layers)
         self.model_dir = Path(f"SIMULATED-{model.num_layers}L-{model.hidden_size}")
+        self.prefill_chunk_invariant = False  # no prefix cache over a simulation: every prompt is computed
         self._dtype = getattr(torch, model.dtype)
         self._rows = torch.zeros(0, model.hidden_size, dtype=self._dtype)  # [R, d], grown on demand
         self._lengths: dict[int, int] = {}

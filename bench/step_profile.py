@@ -1,8 +1,9 @@
 """Where one decode step's time goes: `mesh bench step --profile` (a measurement mode, never a serving mode).
 
 For a few decode waves at each batch size the station's linears, attention calls and sampling are wrapped with
-timers (the wrappers are installed for the measurement and removed after it); "other" is the rest of the step
-(norms, RoPE, residual adds, KV bookkeeping, validation, the embedding). torch's profiler then names the
+timers (the wrappers are installed for the measurement and removed after it; a station that runs its layers in
+one native call times its linears and attention inside C); "other" is the rest of the step (norms, RoPE, SiLU,
+residual adds, KV bookkeeping, validation, the embedding). torch's profiler then names the
 largest of the other ops by self CPU time, so the next person sees the split without writing a script.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable, Iterator
 import torch
 
 import station.step as step_module
+from mesh.core.model.fused import TIMED_PARTS
 from mesh.core.model.llama import Linear
 from mesh.core.wave import WaveEntry
 from station.native_attention import NativeWaveAttention
@@ -32,18 +34,35 @@ def _timed(fn: Callable, totals: dict[str, float], key: str) -> Callable:
     return wrapper
 
 
+def _timed_inside(run_layers: Callable, totals: dict[str, float]) -> Callable:
+    """run_layers with the native call's own timers on (its linears and attention, timed in C)."""
+    def wrapper(self, fused, hidden, positions, seconds=None):
+        inside = torch.zeros(len(TIMED_PARTS), dtype=torch.float64)
+        try:
+            return run_layers(self, fused, hidden, positions, inside)
+        finally:
+            for key, value in zip(TIMED_PARTS, inside.tolist()):
+                if key in totals:
+                    totals[key] += value
+    return wrapper
+
+
 @contextmanager
 def timers(totals: dict[str, float]) -> Iterator[None]:
-    """Time every Linear.forward, attention context's attend and sample_tokens call into `totals` while inside."""
-    saved = (Linear.forward, WaveAttention.attend, NativeWaveAttention.attend, step_module.sample_tokens)
+    """Time every Linear.forward, attention context's attend and sample_tokens call into `totals` while inside
+    (and, where a station runs its layers in one native call, that call's linears and attention, timed in C)."""
+    saved = (Linear.forward, WaveAttention.attend, NativeWaveAttention.attend, NativeWaveAttention.run_layers,
+             step_module.sample_tokens)
     Linear.forward = _timed(saved[0], totals, "linears")
     WaveAttention.attend = _timed(saved[1], totals, "attention")
     NativeWaveAttention.attend = _timed(saved[2], totals, "attention")
-    step_module.sample_tokens = _timed(saved[3], totals, "sampling")
+    NativeWaveAttention.run_layers = _timed_inside(saved[3], totals)
+    step_module.sample_tokens = _timed(saved[4], totals, "sampling")
     try:
         yield
     finally:
-        Linear.forward, WaveAttention.attend, NativeWaveAttention.attend, step_module.sample_tokens = saved
+        (Linear.forward, WaveAttention.attend, NativeWaveAttention.attend, NativeWaveAttention.run_layers,
+         step_module.sample_tokens) = saved
 
 
 def split(totals: dict[str, float], step_seconds: float) -> dict[str, float]:

@@ -28,6 +28,7 @@ from orchestrator.relay import make_pipeline
 from orchestrator.route import RouteMachine, route_limits
 from orchestrator.scheduler_types import EngineStats
 from orchestrator.scheduler import AdmissionError, Scheduler, WavePlan
+from orchestrator.switch_pause import SwitchPauses
 from orchestrator.stream import CompletionOutput, RequestStream, StreamEvent, TextTracker, TokenLogprob
 
 __all__ = ["AdmissionError", "Engine", "EngineStats"]
@@ -68,6 +69,7 @@ class Engine:
         self.on_wave = on_wave
         self._recover, self._recover_retry_s = recover, recover_retry_s
         self.recovery_seconds: list[float] = []  # how long each recovery took
+        self.switch_pauses = SwitchPauses()  # how long each route switch held the live streams
         self._sent: dict[int, float] = {}  # wave id -> when it entered the pipeline
         self._thread = threading.Thread(target=self._run, name="wave-loop", daemon=True)
         self._thread.start()
@@ -131,6 +133,7 @@ class Engine:
             now = time.monotonic()
             old = self._rates[0] if self._rates else (now, s.prefill_tokens, s.decode_tokens)
             links, route_error, recovery = self.pipeline.links, self.route.error, tuple(self.recovery_seconds)
+            switches, pauses = self.switch_pauses.switches, tuple(self.switch_pauses.pauses)
         span = max(now - old[0], 1e-9)
         kv = [link.kv() for link in links]
         return EngineStats(
@@ -142,13 +145,18 @@ class Engine:
             decode_tokens_per_s=(s.decode_tokens - old[2]) / span if self._rates else 0.0,
             kv_bytes_used=sum(k.bytes_used for k in kv), kv_bytes_total=sum(k.bytes_total for k in kv),
             preemptions=s.preemptions, refusals=dict(s.refusals), finished=dict(s.finished),
-            recovery_seconds=recovery, route_error=route_error)
+            prefix_cache=s.prefix_cache, prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits, kv_blocks_cached=s.kv_blocks_cached,
+            kv_bytes_cached=s.kv_blocks_cached * sum(k.bytes_total // k.blocks_total for k in kv),
+            recovery_seconds=recovery, route_switches=switches, route_switch_pauses=pauses, route_error=route_error)
 
     def switch_route(self, links: list[StationLink], timeout: float = 120.0) -> None:
         """Move serving onto a new chain of stations between waves. Waves in flight finish on the old
         route; then every live sequence is re-prefilled on the new one (counter-based sampling keeps
         its tokens unchanged) and the old stations release their KV. Streams only pause."""
         self.route.begin_switch()  # raises IllegalTransition when closed or already switching
+        with self._lock:
+            self.switch_pauses.begin()
         try:
             if not self._wait_idle(timeout):
                 raise TimeoutError(f"waves still in flight after {timeout}s; route not switched")
@@ -266,10 +274,12 @@ class Engine:
             self._in_flight += 1
             now = time.monotonic()
             self._sent[plan.wave_id] = now
-            for e in plan.entries:
-                if e.start_pos == 0 and (owner := self._seq_owner.get(e.seq_id)) is not None:
+            for seq_id, cached in plan.admitted:
+                if (owner := self._seq_owner.get(seq_id)) is not None:
                     stream = self._live[owner[0]].stream
                     stream.scheduled_at = stream.scheduled_at or now
+                    if owner[1] == 0:
+                        stream.cached_tokens = cached
             self.pipeline.submit(plan)
 
     def _finish_wave(self, plan: WavePlan, samples, error: BaseException | None) -> None:
@@ -293,6 +303,7 @@ class Engine:
         while self._rates and now - self._rates[0][0] > self._rate_window:
             self._rates.popleft()
         for ev in result.events:
+            self.switch_pauses.token(ev.seq_id, now)
             owner = self._seq_owner.get(ev.seq_id)
             if owner is None:
                 continue
@@ -317,6 +328,7 @@ class Engine:
         self._forget(seq_id)
 
     def _forget(self, seq_id: int) -> None:
+        self.switch_pauses.forget(seq_id)
         request_id, _ = self._seq_owner.pop(seq_id)
         live = self._live[request_id]
         live.open.discard(seq_id)

@@ -105,7 +105,7 @@ class GenerationRoutes:
         failed = [o for o in stream.outputs if o.finish_reason == "error"]
         if failed:
             raise ApiError(500, f"generation failed: {failed[0].error}", None, "generation_failed")
-        return JSONResponse(self.fmt.response(req, request_id, now_s(), stream.outputs))
+        return JSONResponse(self.fmt.response(req, request_id, now_s(), stream.outputs, stream.cached_tokens))
 
     def close(self, req: GenerationRequest, stream: RequestStream, trace: _Trace) -> None:
         """Cancel the request if it still runs (the client left) and record it, once."""
@@ -153,7 +153,7 @@ class GenerationRoutes:
                 first = False
             self.close(req, stream, trace)  # recorded before [DONE], so a scrape after it sees this request
             if req.include_usage:
-                yield sse(fmt.usage_chunk(req, request_id, created, tokens))
+                yield sse(fmt.usage_chunk(req, request_id, created, tokens, stream.cached_tokens))
             yield DONE
         finally:  # also when the response is cancelled because the client went away
             self.close(req, stream, trace)

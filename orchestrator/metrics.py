@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from station.metrics import CONTENT_TYPE, PREFIX, exposition
@@ -33,6 +33,7 @@ E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 WAVE_TOKEN_BUCKETS = tuple(float(2**i) for i in range(14))  # 1 .. 8192 rows
 OCCUPANCY_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+PAUSE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)  # switch / recovery
 WAVE_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -65,20 +66,36 @@ class _EngineCollector(Collector):
                     ("num_requests_waiting", s.waiting, "Sequences in the waiting queue."),
                     ("num_waves_in_flight", s.waves_in_flight, "Waves sent to the stations and not yet committed."),
                     ("kv_cache_usage_perc", s.kv_bytes_used / s.kv_bytes_total if s.kv_bytes_total else 0.0,
-                     "Fraction of the stations' KV bytes in use (1 = full).")):
+                     "Fraction of the stations' KV bytes in use (1 = full)."),
+                    ("prefix_cache_blocks", s.kv_blocks_cached, "KV blocks kept for prefix reuse, referenced by none."),
+                    ("prefix_cache_bytes", s.kv_bytes_cached, "Bytes of those blocks over every station."),
+                    ("prefix_cache_enabled", int(s.prefix_cache), "1 while shared prompt prefixes are reused.")):
                 yield GaugeMetricFamily(PREFIX + name, doc, value=value)
             for name, value, doc in (
                     ("num_preemptions", s.preemptions, "Sequences preempted to free KV (recomputed later)."),
                     ("waves", s.waves, "Waves committed."),
                     ("wave_prefill_rows", s.prefill_tokens, "Prompt and recompute rows computed in waves."),
-                    ("wave_decode_rows", s.decode_tokens, "Decode rows computed in waves.")):
+                    ("wave_decode_rows", s.decode_tokens, "Decode rows computed in waves."),
+                    ("prefix_cache_queries", s.prefix_cache_queries, "Prompt tokens looked up in the prefix cache."),
+                    ("prefix_cache_hits", s.prefix_cache_hits, "Prompt tokens found in the prefix cache."),
+                    ("route_switches", s.route_switches, "Route switches begun (mesh scale, add-station)."),
+                    ("recoveries", len(s.recovery_seconds), "Rebuilds of the route after a lost station.")):
                 yield CounterMetricFamily(PREFIX + name, doc, value=value)
+            yield _histogram("route_switch_pause_seconds", "Per route switch, the longest wait of a live stream "
+                             "for its next token.", s.route_switch_pauses)
+            yield _histogram("recovery_seconds", "Per lost station, the time to rebuild the route.", s.recovery_seconds)
             for reason, count in s.refusals.items():
                 refusals[reason] = refusals.get(reason, 0) + count
         rejected = CounterMetricFamily(PREFIX + "requests_rejected", "Requests refused, by reason.", labels=["reason"])
         for reason, count in sorted(refusals.items()):
             rejected.add_metric([reason], count)
         yield rejected
+
+
+def _histogram(name: str, doc: str, values: tuple[float, ...]) -> HistogramMetricFamily:
+    """A histogram family over every value observed so far (few: one per switch or recovery)."""
+    buckets = [(str(le), sum(v <= le for v in values)) for le in PAUSE_BUCKETS] + [("+Inf", len(values))]
+    return HistogramMetricFamily(PREFIX + name, doc, buckets=buckets, sum_value=sum(values))
 
 
 class _WithoutCreated(Collector):

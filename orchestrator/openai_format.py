@@ -18,10 +18,11 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's usage object."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class ResponseFormatter:
@@ -70,7 +71,7 @@ class ResponseFormatter:
 
     # ---- whole responses ---------------------------------------------------------------------
     def response(self, req: GenerationRequest, request_id: str, created: int,
-                 outputs: list[CompletionOutput]) -> dict[str, Any]:
+                 outputs: list[CompletionOutput], cached_tokens: int = 0) -> dict[str, Any]:
         """The non-streaming body: choices in index order and usage."""
         choices = []
         for out in outputs:
@@ -89,7 +90,7 @@ class ResponseFormatter:
             choices.append(choice)
         body = self._head(req, request_id, created, chunk=False)
         body["choices"] = choices
-        body["usage"] = usage(len(req.prompt_ids), sum(len(o.token_ids) for o in outputs))
+        body["usage"] = usage(len(req.prompt_ids), sum(len(o.token_ids) for o in outputs), cached_tokens)
         if req.return_token_ids:
             body["prompt_token_ids"] = list(req.prompt_ids)
         return body
@@ -122,11 +123,11 @@ class ResponseFormatter:
         return self._stream_extras(req, body, first)
 
     def usage_chunk(self, req: GenerationRequest, request_id: str, created: int,
-                    completion_tokens: int) -> dict[str, Any]:
+                    completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """The last chunk before [DONE] when stream_options.include_usage: no choices, only usage."""
         body = self._head(req, request_id, created, chunk=True)
         body["choices"] = []
-        body["usage"] = usage(len(req.prompt_ids), completion_tokens)
+        body["usage"] = usage(len(req.prompt_ids), completion_tokens, cached_tokens)
         return body
 
     def _stream_extras(self, req: GenerationRequest, body: dict[str, Any], first: bool) -> dict[str, Any]:

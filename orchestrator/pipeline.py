@@ -39,6 +39,7 @@ class LinkKV:
     block_tokens: int
     bytes_used: int
     bytes_total: int
+    prefill_chunk_invariant: bool = False  # one chunk or several give a prompt the same KV bits (prefix reuse is exact)
 
 
 class StationLink(Protocol):
@@ -93,7 +94,8 @@ class LocalLink:
     def kv(self) -> LinkKV:
         """The station's KV pool figures."""
         s = self.station.kv.stats()
-        return LinkKV(s.blocks_total, s.block_tokens, s.bytes_used, s.bytes_total)
+        return LinkKV(s.blocks_total, s.block_tokens, s.bytes_used, s.bytes_total,
+                      self.station.prefill_chunk_invariant)
 
     def health(self) -> bool:
         """An in-process station serves as long as this process does, until the link is closed."""

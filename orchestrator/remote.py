@@ -67,7 +67,8 @@ class RemoteLink:
         Release reply (the Info figures before any): no call to the station, so a /metrics scrape costs none."""
         info, usage = self._info, self.client.kv_usage
         used = info.kv_bytes_used if usage is None else usage.bytes_used
-        return LinkKV(info.kv_blocks_total, info.block_tokens, used, info.kv_bytes_total)
+        return LinkKV(info.kv_blocks_total, info.block_tokens, used, info.kv_bytes_total,
+                      info.prefill_chunk_invariant)
 
     def health(self) -> bool:
         """True when the station's gRPC health says SERVING (its forward-path probe passes) within the deadline."""

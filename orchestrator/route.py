@@ -187,4 +187,5 @@ def route_limits(links: list[StationLink], max_positions: int) -> KVLimits:
     geometry = [link.kv() for link in links]
     if len({g.block_tokens for g in geometry}) != 1:
         raise ValueError(f"stations disagree on KV block size: {[g.block_tokens for g in geometry]}")
-    return KVLimits(max_positions, min(g.blocks_total for g in geometry), geometry[0].block_tokens)
+    return KVLimits(max_positions, min(g.blocks_total for g in geometry), geometry[0].block_tokens,
+                    all(g.prefill_chunk_invariant for g in geometry))

@@ -14,14 +14,18 @@ Where a sequence's station KV must be released:
 """
 from __future__ import annotations
 
+import logging
 
 from mesh.core.config import SchedulerConfig
 from mesh.core.params import SamplingParams
 from mesh.core.wave import SampledToken
 from orchestrator.scheduler_types import (REFUSAL_REASONS, AdmissionError, CommitResult, KVLimits, SchedulerStats,
                                TokenEvent, WavePlan)
-from orchestrator.sequence import KVBlockLedger, Request, Sequence, SequenceStatus, SequenceTable, WaitingQueue
+from orchestrator.kv_ledger import KVBlockLedger
+from orchestrator.sequence import Request, Sequence, SequenceStatus, SequenceTable, WaitingQueue
 from orchestrator.wave_builder import WaveBuilder
+
+log = logging.getLogger(__name__)
 
 __all__ = ["REFUSAL_REASONS", "AdmissionError", "CommitResult", "KVLimits", "Scheduler", "SchedulerStats",
            "TokenEvent", "WavePlan"]
@@ -35,10 +39,10 @@ class Scheduler:
         self.config = config
         self.limits = limits
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._ledger = KVBlockLedger(limits.kv_blocks, limits.block_tokens)
+        self._ledger = self._new_ledger(limits)
         self._waiting = WaitingQueue(config.short_first, config.short_prompt_tokens, config.max_skips)
         self._seqs = SequenceTable()
-        self._in_flight: dict[int, tuple[WavePlan, int]] = {}  # wave id -> (plan, decode rows)
+        self._in_flight: dict[int, tuple[WavePlan, int, dict[int, list[bytes]]]] = {}  # id -> (plan, decode rows, names)
         self._pending_releases: list[int] = []
         self._next_wave_id = 0
         self._arrivals = 0
@@ -49,6 +53,20 @@ class Scheduler:
         self._refusals = dict.fromkeys(REFUSAL_REASONS, 0)
         self._finished: dict[str, int] = {}
         self._probes: set[int] = set()  # live probe sequences: outside the admission bound, each with a lane of its own
+        self._prefix_queries = self._prefix_hits = 0  # prompt tokens looked up in the prefix cache, and found
+
+    def _new_ledger(self, limits: KVLimits) -> KVBlockLedger:
+        """A ledger of every block free; its prefix cache on when asked for and exact on these stations."""
+        if self.config.prefix_cache and not limits.prefill_chunk_invariant:
+            log.warning("prefix cache off on this route: its stations' prefill depends on how a prompt is chunked "
+                        "(not the native float32 kernels), so a cached prefix could change tokens")
+        return KVBlockLedger(limits.kv_blocks, limits.block_tokens,
+                             self.config.prefix_cache and limits.prefill_chunk_invariant)
+
+    @property
+    def prefix_cache(self) -> bool:
+        """True while shared prompt prefixes are served from cached KV blocks."""
+        return self._ledger.prefix_cache
 
     def add(self, seq_id: int, request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams,
             probe: bool = False) -> None:
@@ -107,13 +125,15 @@ class Scheduler:
         wave.add_chunks(ready)
         if not wave.preempted:  # no admission while KV is short
             wave.add_admissions(self._waiting, lanes)
+        self._prefix_queries += wave.prefix_queries
+        self._prefix_hits += wave.prefix_hits
         if not wave.entries:
             return None
-        plan = WavePlan(tuple(wave.entries), tuple(wave.tokens), self._next_wave_id)
+        plan = WavePlan(tuple(wave.entries), tuple(wave.tokens), self._next_wave_id, tuple(wave.admitted))
         self._next_wave_id += 1
         for entry in wave.entries:
             self._seqs[entry.seq_id].in_flight_wave = plan.wave_id
-        self._in_flight[plan.wave_id] = (plan, wave.decode_rows)
+        self._in_flight[plan.wave_id] = (plan, wave.decode_rows, wave.names)
         return plan
 
     def _preempt(self, seq: Sequence) -> None:
@@ -141,7 +161,7 @@ class Scheduler:
         for seq in reversed(list(self._seqs.running)):  # newest first, so the oldest ends at the front
             self._requeue(seq)
         self.limits = limits
-        self._ledger = KVBlockLedger(limits.kv_blocks, limits.block_tokens)
+        self._ledger = self._new_ledger(limits)  # the cache is dropped: the new stations hold no KV
         return self.take_releases()
 
     def take_releases(self) -> tuple[int, ...]:
@@ -161,18 +181,22 @@ class Scheduler:
             if entry.sample is not None and sample is None and self._seqs[entry.seq_id].finish_reason is None:
                 raise ValueError(f"wave {plan.wave_id}: seq {entry.seq_id} asked for a token and got none")
         del self._in_flight[plan.wave_id]
+        names = record[2]
         events: list[TokenEvent] = []
         finished: list[int] = []
         released: list[int] = []
         for entry, sample in zip(plan.entries, samples):
             seq = self._seqs[entry.seq_id]
             seq.in_flight_wave = None
+            filled = names.get(seq.seq_id, [])
+            self._ledger.computing(filled, -1)
             if seq.status is SequenceStatus.FINISHED:  # cancelled / finished while in flight
                 self._drop(seq)
                 released.append(seq.seq_id)
                 continue
             seq.num_computed = entry.end_pos
             seq.history.append(entry.n_tokens)
+            self._ledger.name_blocks(seq, filled)
             if entry.sample is None:
                 continue
             seq.output_ids.append(sample.token_id)
@@ -216,6 +240,7 @@ class Scheduler:
         for entry in record[0].entries:
             seq = self._seqs[entry.seq_id]
             seq.in_flight_wave = None
+            self._ledger.computing(record[2].get(seq.seq_id, []), -1)
             if seq.status is SequenceStatus.FINISHED:
                 self._drop(seq)
                 self._pending_releases.append(seq.seq_id)
@@ -280,4 +305,6 @@ class Scheduler:
             mean_wave_occupancy=self._sum_occupancy / waves, max_wave_occupancy=self._max_occupancy,
             refusals=dict(self._refusals), finished=dict(self._finished),
             last_wave_entries=self._last_entries, mean_wave_entries=self._sum_entries / waves,
-            max_wave_entries=self._max_entries)
+            max_wave_entries=self._max_entries, prefix_cache=self._ledger.prefix_cache,
+            prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
+            kv_blocks_cached=self._ledger.cached)

@@ -27,12 +27,15 @@ class KVLimits:
     max_context: int  # most tokens (prompt + output) one sequence may reach
     kv_blocks: int  # KV blocks the smallest station holds
     block_tokens: int  # tokens per KV block
+    prefill_chunk_invariant: bool = False  # every station gives a prompt the same KV bits however it is chunked
 
     def __post_init__(self) -> None:
         for name in ("max_context", "kv_blocks", "block_tokens"):
             v = getattr(self, name)
             if not (is_int(v) and v > 0):
                 raise ValueError(f"KVLimits.{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.prefill_chunk_invariant, bool):
+            raise ValueError(f"KVLimits.prefill_chunk_invariant must be a bool, got {self.prefill_chunk_invariant!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +45,7 @@ class WavePlan:
     entries: tuple[WaveEntry, ...]
     token_ids: tuple[int, ...]
     wave_id: int
+    admitted: tuple[tuple[int, int], ...] = ()  # (seq id, prompt tokens found in the prefix cache) of each admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +90,10 @@ class SchedulerStats:
     last_wave_entries: int = 0
     mean_wave_entries: float = 0.0
     max_wave_entries: int = 0
+    prefix_cache: bool = False  # shared prompt prefixes are served from cached KV blocks
+    prefix_cache_queries: int = 0  # prompt tokens of fresh admissions looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached (not computed again)
+    kv_blocks_cached: int = 0  # blocks nobody references, kept for reuse (counted free for admission)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,5 +116,12 @@ class EngineStats:
     preemptions: int
     refusals: dict[str, int] = field(default_factory=dict)
     finished: dict[str, int] = field(default_factory=dict)
+    prefix_cache: bool = False  # shared prompt prefixes are served from cached KV blocks
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    kv_blocks_cached: int = 0  # KV blocks nobody references, kept for reuse
+    kv_bytes_cached: int = 0  # their bytes over every station
     recovery_seconds: tuple[float, ...] = ()  # how long each rebuild of the route after a lost station took
+    route_switches: int = 0  # route switches begun (mesh scale, add-station)
+    route_switch_pauses: tuple[float, ...] = ()  # per switch: the longest wait of a live stream for its next token
     route_error: str | None = None  # set while a lost station is not back (new requests get 503)

@@ -1,4 +1,4 @@
-"""Request and Sequence state, the waiting queue and the KV block ledger (no torch).
+"""Request and Sequence state, the waiting queue and the table of live sequences (no torch).
 
 A Sequence follows vLLM v1's invariant: `num_computed` tokens (their KV lives at
 the stations) catch up with `num_tokens` (prompt + generated). There is no prefill
@@ -42,7 +42,9 @@ class Sequence:
     arrival: int  # order of add(); smaller is older (preemption takes the largest)
     output_ids: list[int] = field(default_factory=list)  # generated tokens
     num_computed: int = 0  # tokens whose KV is at the stations
-    blocks: int = 0  # KV blocks reserved for it in the ledger
+    table: list[int] = field(default_factory=list)  # its KV block ids, in position order (the ledger's)
+    block_names: list[bytes] = field(default_factory=list)  # prefix-cache names of its committed full blocks
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was admitted
     status: SequenceStatus = SequenceStatus.WAITING
     in_flight_wave: int | None = None  # wave id carrying it now, if any
     skips: int = 0  # times a later request was admitted ahead of it (short-first ageing)
@@ -90,49 +92,6 @@ class Sequence:
         if start >= n_prompt:
             return tuple(self.output_ids[start - n_prompt:stop - n_prompt])
         return prompt[start:] + tuple(self.output_ids[:stop - n_prompt])
-
-
-class KVBlockLedger:
-    """The scheduler's copy of the stations' paged KV: `total` blocks of `block_tokens` tokens.
-
-    A sequence holding t tokens of KV occupies ceil(t / block_tokens) blocks, exactly as
-    a station counts them. Blocks are reserved before a wave that needs them is planned.
-    """
-
-    def __init__(self, total_blocks: int, block_tokens: int) -> None:
-        """Start with every block free."""
-        self.total = total_blocks
-        self.block_tokens = block_tokens
-        self.used = 0
-
-    @property
-    def free(self) -> int:
-        """Blocks not reserved by any sequence."""
-        return self.total - self.used
-
-    def blocks_for(self, tokens: int) -> int:
-        """Blocks needed to hold `tokens` tokens of KV."""
-        return -(-tokens // self.block_tokens)
-
-    def capacity(self, seq: Sequence) -> int:
-        """Tokens `seq` could add beyond num_computed with its own blocks plus every free block."""
-        return (seq.blocks + self.free) * self.block_tokens - seq.num_computed
-
-    def reserve(self, seq: Sequence, tokens: int) -> bool:
-        """Make sure `seq` holds blocks for `tokens` tokens; False (and no change) if too few are free."""
-        extra = self.blocks_for(tokens) - seq.blocks
-        if extra <= 0:
-            return True
-        if extra > self.free:
-            return False
-        self.used += extra
-        seq.blocks += extra
-        return True
-
-    def release(self, seq: Sequence) -> None:
-        """Free every block `seq` holds."""
-        self.used -= seq.blocks
-        seq.blocks = 0
 
 
 class WaitingQueue:
@@ -246,6 +205,6 @@ class SequenceTable:
         for seq in reversed(self.running):
             if seq.arrival <= newer_than.arrival:
                 return None
-            if seq.blocks > 0 and seq.in_flight_wave is None and seq.seq_id not in spare:
+            if seq.table and seq.in_flight_wave is None and seq.seq_id not in spare:
                 return seq
         return None

@@ -129,6 +129,7 @@ class RequestStream:
         self.arrival = time.monotonic()
         self.scheduled_at: float | None = None  # when its first prompt chunk entered a wave
         self.first_token_at: float | None = None
+        self.cached_tokens = 0  # prompt tokens of its first choice found in the prefix cache at admission
         self.finished_at: float | None = None
         self._loop = loop
         self._sync: queue.Queue = queue.Queue()

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mesh.core.wave import WaveEntry
-from orchestrator.sequence import KVBlockLedger, Sequence, SequenceStatus, SequenceTable, WaitingQueue
+from orchestrator.kv_ledger import NO_HIT, KVBlockLedger, PrefixHit
+from orchestrator.sequence import Sequence, SequenceStatus, SequenceTable, WaitingQueue
 
 
 def _decoding(seq: Sequence) -> bool:
@@ -23,13 +24,16 @@ class WaveBuilder:
     def __init__(self, budget: int, cap: int, ledger: KVBlockLedger, seqs: SequenceTable,
                  preempt: Callable[[Sequence], None]) -> None:
         """An empty wave of at most `cap` entries and `budget` rows over the scheduler's ledger and table."""
-        self.budget, self.cap = budget, cap
+        self.budget, self.cap, self.max_rows = budget, cap, budget
         self._ledger, self._seqs, self._preempt = ledger, seqs, preempt
         self.entries: list[WaveEntry] = []
         self.tokens: list[int] = []  # the entries' token ids, concatenated in entry order
         self.planned: set[int] = set()  # seq ids with an entry in this wave
         self.decode_rows = 0  # entries that feed back a generated token (not a prompt's last token)
         self.preempted = 0  # sequences preempted to make KV room for this wave
+        self.admitted: list[tuple[int, int]] = []  # (seq id, cached prompt tokens) of each admission
+        self.names: dict[int, list[bytes]] = {}  # seq id -> prefix-cache names of the blocks its entry fills
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up in the prefix cache, and found
 
     def full(self) -> bool:
         """True once the entry cap is reached or no row is left."""
@@ -74,20 +78,48 @@ class WaveBuilder:
             seq = waiting.peek()
             if seq is None:
                 break
+            hit = self._prefix_hit(seq)
+            if hit.next_in_flight:  # a wave in flight is computing its next block: take it from the cache later
+                break
+            self._ledger.acquire(seq, hit)
             n = min(seq.next_chunk(self.budget), self._ledger.capacity(seq))
             if n < 1 or n > self.budget or (seq.replay and n != seq.replay[0]):
+                self._ledger.release(seq)
+                seq.num_computed = 0
                 break
             waiting.take(seq)
             self._seqs.start_running(seq)
+            if self._ledger.prefix_cache and not seq.replay and not seq.history:
+                self._count_hit(seq)
             self._ledger.reserve(seq, seq.num_computed + n)
+            self.admitted.append((seq.seq_id, seq.cached_tokens))
             self._put(seq, n)
+
+    def _prefix_hit(self, seq: Sequence) -> PrefixHit:
+        """The cached blocks a fresh sequence can start on (none for one that replays its entries)."""
+        if seq.replay or seq.num_computed or seq.history:
+            return NO_HIT
+        return self._ledger.lookup(seq.token_slice(0, seq.num_tokens))
+
+    def _count_hit(self, seq: Sequence) -> None:
+        """Count a fresh admission's lookup; its cached tokens enter the history as chunks of at most a wave."""
+        hit = seq.num_computed
+        if not seq.preemptions:  # a sequence preempted before its first commit looks up again, counted once
+            self.prefix_queries += len(seq.prompt_ids)
+            self.prefix_hits += hit
+        seq.cached_tokens = hit
+        seq.history = [min(self.max_rows, hit - i) for i in range(0, hit, self.max_rows)]
 
     def _put(self, seq: Sequence, n: int) -> None:
         """Append `seq`'s next `n` tokens as an entry (sampling only if they reach its last token)."""
         if seq.replay:
             assert seq.replay.pop(0) == n, "a replayed entry must keep its original size"
         end = seq.num_computed + n
-        self.entries.append(WaveEntry(seq.seq_id, seq.num_computed, n, seq.params if end == seq.num_tokens else None))
+        self.entries.append(WaveEntry(seq.seq_id, seq.num_computed, n, seq.params if end == seq.num_tokens else None,
+                                      tuple(seq.table)))
+        if self._ledger.prefix_cache:  # marked at once, so a later admission of this wave waits for them too
+            self.names[seq.seq_id] = names = self._ledger.names_filled(seq, end)
+            self._ledger.computing(names, +1)
         self.tokens.extend(seq.token_slice(seq.num_computed, end))
         self.planned.add(seq.seq_id)
         self.budget -= n

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +25,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from mesh.core.compute import on_compute_thread
 from mesh.core.config import StationSpec
 from mesh.core.transport import host_port
+from station.cores import claim_cores
 from station.metrics import StationMetrics
 from station.kv import DEFAULT_BLOCK_TOKENS
 from station.probe import ProbeConfig
@@ -39,6 +42,8 @@ def spec_from(spec: StationSpec | Mapping[str, Any]) -> StationSpec:
     d = dict(spec)
     if "layers" in d:
         d["layers"] = tuple(d["layers"])
+    if "resources" in d:
+        d["resources"] = tuple(tuple(pair) for pair in d["resources"])
     return StationSpec(**d)
 
 
@@ -51,7 +56,12 @@ class StationActor:
         """Load the station and serve it; `token` / `tls` (StationTls): what every caller must present;
         `probe`: prove the forward path to the health service (see station.probe)."""
         spec = spec_from(spec)
-        # Ray pins OMP threads to num_cpus; say so explicitly, on the thread that runs the station's torch work
+        # the station's num_cpus cores are its own: pinned where the node has them free (before any torch thread
+        # starts, so the compute thread and its OpenMP team inherit them), and as many torch threads
+        self._spec = spec
+        self.cores = claim_cores(spec.num_cpus, _core_claim_dir())
+        if not self.cores.pinned:
+            print(f"wavemesh station [{spec.start}, {spec.end}): {self.cores.reason}", file=sys.stderr, flush=True)
         on_compute_thread(torch.set_num_threads, max(1, int(spec.num_cpus)))
         self.station = Station(model_dir, spec, block_tokens)
         self.server = None
@@ -87,18 +97,43 @@ class StationActor:
         return os.getpid()
 
     def info(self) -> dict[str, Any]:
-        """The station's Info as a plain dict, plus its address and pid."""
+        """The station's Info as a plain dict, plus its address, pid and placement (see `placement`)."""
         reply = info_reply(self.station, self._metrics_address)
         d = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
-        d.update(address=self._address, pid=os.getpid())
+        d.update(address=self._address, **self.placement())
         return d
+
+    def placement(self) -> dict[str, Any]:
+        """Where the station runs: its pid and Ray node, the cores its process may use now, whether they are
+        pinned (and why not), and its torch thread count."""
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": ray.util.get_node_ip_address(),
+                "cpu_affinity": sorted(os.sched_getaffinity(0)), "cpu_pinned": self.cores.pinned,
+                "cpu_pinning_note": self.cores.reason, "torch_threads": on_compute_thread(torch.get_num_threads)}
+
+    def pin(self) -> bool:
+        """Claim the station's cores again if it runs unpinned (cores others held when it started, such as the
+        old route's stations while the mesh grows, may be free now); True when it is pinned."""
+        if not self.cores.pinned:
+            self.cores = claim_cores(self._spec.num_cpus, _core_claim_dir())
+        return self.cores.pinned
 
     def shutdown(self, grace: float = 1.0) -> None:
         """Stop the gRPC server (health goes NOT_SERVING first) and the metrics endpoint; the actor
         process stays until killed."""
         self.server.stop(grace)
+        self.cores.release()
         self._metrics_http.shutdown()
         self._metrics_http.server_close()
+
+
+def _core_claim_dir() -> Path:
+    """The folder where the stations of this Ray session on this machine claim cores (see station.cores)."""
+    try:
+        session = ray._private.worker.global_worker.node.get_session_dir_path()
+    except AttributeError:  # not inside a Ray worker (a test building the actor class directly)
+        return Path(tempfile.gettempdir()) / f"wavemesh-cores-{os.getuid()}"
+    return Path(session) / "wavemesh-cores"
 
 
 def create_station(model_dir: str | Path, spec: StationSpec, *, name: str | None = None, max_restarts: int = 3,
@@ -110,8 +145,8 @@ def create_station(model_dir: str | Path, spec: StationSpec, *, name: str | None
     Call tasks are never retried by Ray (max_task_retries=0): a wave lost with a dead station is
     replayed by the orchestrator, which knows what the KV held.
     """
-    remote_cls = ray.remote(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=max_restarts,
-                            max_task_retries=0)(StationActor)
+    remote_cls = ray.remote(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=dict(spec.resources),
+                            max_restarts=max_restarts, max_task_retries=0)(StationActor)
     if name is not None:
         remote_cls = remote_cls.options(name=name)
     return remote_cls.remote(str(model_dir), dataclasses.asdict(spec), host, block_tokens, limits, token, tls, probe)

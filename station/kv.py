@@ -5,8 +5,9 @@ owns a block table (a list of block indices); position p lives in block
 table[p // block_tokens] at offset p % block_tokens. Paged blocks make the
 budget exact (a sequence of t tokens holds ceil(t / block_tokens) blocks, the
 same arithmetic the scheduler does), let every sequence grow without copying,
-and free memory the moment a sequence ends. A sequence only ever reads its own
-blocks.
+and free memory the moment a sequence ends. A sequence reads only the blocks of
+its table; the orchestrator may hand several sequences the same full blocks of a
+shared prompt prefix (reference counted here), which they read and never write.
 """
 from __future__ import annotations
 
@@ -58,7 +59,9 @@ class KVPool:
         shape = (self.layers, self.num_blocks + 1, cfg.num_key_value_heads, block_tokens, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
         self.v = torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
-        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low indices first
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low indices first (may hold stale ids)
+        self._refs = [0] * self.num_blocks  # sequences holding each block (a shared prefix block: several)
+        self._used = 0  # blocks some sequence holds
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
         self._spare: dict[int, list[int]] = {}  # a throwaway sequence on the spare block (the health probe)
@@ -83,27 +86,75 @@ class KVPool:
 
     def free_blocks(self) -> int:
         """Blocks not held by any sequence."""
-        return len(self._free)
+        return self.num_blocks - self._used
+
+    def _hold(self, block: int) -> None:
+        if self._refs[block] == 0:
+            self._used += 1
+        self._refs[block] += 1
+
+    def _drop(self, blocks: list[int]) -> None:
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._used -= 1
+                self._free.append(block)
+
+    def _pop_free(self) -> int:
+        while True:  # skip ids a given table took while they sat in the free list
+            block = self._free.pop()
+            if self._refs[block] == 0:
+                self._hold(block)
+                return block
 
     def reserve(self, growth: dict[int, int]) -> None:
         """Grow each sequence to hold `new_length` positions ({seq_id: new_length}), all or nothing."""
         need = {s: blocks_for(n, self.block_tokens) - len(self._tables.get(s, ())) for s, n in growth.items()}
         total = sum(max(0, b) for b in need.values())
-        if total > len(self._free):
+        if total > self.free_blocks():
             raise KVBudgetError(f"KV budget exhausted: the wave needs {total} more blocks, "
-                                f"{len(self._free)} of {self.num_blocks} are free")
+                                f"{self.free_blocks()} of {self.num_blocks} are free")
         for s, n in growth.items():
             table = self._tables.setdefault(s, [])
-            table.extend(self._free.pop() for _ in range(max(0, need[s])))
+            table.extend(self._pop_free() for _ in range(max(0, need[s])))
             self._lengths[s] = max(self._lengths.get(s, 0), n)
 
+    def check_table(self, seq_id: int, start: int, end: int, blocks: tuple[int, ...]) -> str | None:
+        """Why `blocks` cannot be `seq_id`'s table for positions [0, end) when it holds [0, start); None if it can.
+
+        The table must cover exactly [0, end) with distinct ids inside the pool, keep the blocks the sequence
+        already holds, and every block it writes ([start, end)) must be held by no other sequence: blocks of a
+        shared prefix are read, never written."""
+        if len(blocks) != blocks_for(end, self.block_tokens):
+            return f"{len(blocks)} block ids for {end} positions of {self.block_tokens} (needs {blocks_for(end, self.block_tokens)})"
+        if max(blocks) >= self.num_blocks or len(set(blocks)) != len(blocks):
+            return f"block ids must be distinct and below {self.num_blocks}"
+        held = self._tables.get(seq_id, [])
+        if list(blocks[:len(held)]) != held:
+            return "the table does not keep the blocks the sequence holds"
+        if start % self.block_tokens and start // self.block_tokens >= len(held):
+            return f"starts mid-block at {start} without holding that block"
+        for i in range(start // self.block_tokens, len(blocks)):
+            others = self._refs[blocks[i]] - (1 if i < len(held) else 0)
+            if others:
+                return f"block {blocks[i]} (positions from {i * self.block_tokens}) is written but held by another sequence"
+        return None
+
+    def assign(self, seq_id: int, end: int, blocks: tuple[int, ...]) -> None:
+        """Make `blocks` (checked by check_table) the table of `seq_id`, now holding [0, end)."""
+        table = self._tables.setdefault(seq_id, [])
+        for block in blocks[len(table):]:
+            self._hold(block)
+            table.append(block)
+        self._lengths[seq_id] = max(self._lengths.get(seq_id, 0), end)
+
     def release(self, seq_id: int) -> bool:
-        """Free a sequence's blocks; False when it was not resident."""
+        """Free a sequence's blocks (a block other sequences hold stays theirs); False when it was not resident."""
         table = self._tables.pop(seq_id, None)
         self._lengths.pop(seq_id, None)
         if table is None:
             return False
-        self._free.extend(reversed(table))
+        self._drop(table)
         return True
 
     def truncate(self, seq_id: int, length: int | None) -> None:
@@ -113,7 +164,7 @@ class KVPool:
             return
         table = self._tables[seq_id]
         keep = blocks_for(length, self.block_tokens)
-        self._free.extend(reversed(table[keep:]))
+        self._drop(table[keep:])
         del table[keep:]
         self._lengths[seq_id] = length
 
@@ -132,6 +183,6 @@ class KVPool:
 
     def stats(self) -> KVStats:
         """Bytes and blocks in use."""
-        used = self.num_blocks - len(self._free)
+        used = self._used
         return KVStats(used * self.block_bytes, self.num_blocks * self.block_bytes, used, self.num_blocks,
                        self.block_tokens, len(self._tables))

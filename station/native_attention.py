@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from mesh.core.model.fused import FusedLayers
 from mesh.core.model.native import load_native
 from mesh.core.wave import WaveEntry
 from station.kv import KVPool
@@ -44,3 +45,10 @@ class NativeWaveAttention:
                                      self.row_table.data_ptr(), self.row_pos.data_ptr(), self.window, d ** -0.5,
                                      out.data_ptr(), torch.get_num_threads())
         return out
+
+    def run_layers(self, fused: FusedLayers, hidden: torch.Tensor, positions: torch.Tensor,
+                   seconds: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [T, d] at positions [T] through every layer of the station in one native call (the same bits
+        as the model's forward with this context): -> hidden [T, d]."""
+        return fused.run(hidden, positions, self.kv.k, self.kv.v, self.kv.block_tokens, self.tables, self.row_table,
+                         self.row_pos, self.window, seconds)

@@ -201,7 +201,7 @@ def info_reply(station: Station, metrics_address: str = "") -> pb.InfoReply:
         kv_bytes_used=stats.kv.bytes_used, kv_bytes_total=stats.kv.bytes_total, sequences=stats.kv.sequences,
         block_tokens=stats.kv.block_tokens, kv_blocks_total=stats.kv.blocks_total,
         kv_blocks_used=stats.kv.blocks_used, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-        metrics_address=metrics_address)
+        metrics_address=metrics_address, prefill_chunk_invariant=station.prefill_chunk_invariant)
 
 
 class StationServer:

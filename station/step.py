@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from mesh.core.compute import on_compute_thread
 from mesh.core.config import ModelConfig, StationSpec
+from mesh.core.model.fused import fuse_layers
 from mesh.core.model.kernels import use_linear_backend
 from mesh.core.model.loader import TORCH_DTYPES, load_range
 from mesh.core.sampling import sample_tokens
@@ -147,6 +148,7 @@ class Station:
         self.model, self.load_report = load_range(self.model_dir, self.config, spec.start, spec.end, spec.dtype,
                                                   spec.device)
         self.linear_backend = use_linear_backend(self.model, spec.linear_backend, self.device, self.dtype)
+        self.fused = fuse_layers(self.model)  # every layer in one native call where all run the packed kernels
         self.kv = KVPool(self.config, spec, block_tokens)
 
     @property
@@ -173,7 +175,10 @@ class Station:
         t0 = time.perf_counter()
         x = self._validate(entries, token_ids, hidden)
         before = {e.seq_id: self.kv.length(e.seq_id) for e in entries}
-        self.kv.reserve({e.seq_id: e.end_pos for e in entries})
+        self.kv.reserve({e.seq_id: e.end_pos for e in entries if not e.blocks})
+        for e in entries:
+            if e.blocks:
+                self.kv.assign(e.seq_id, e.end_pos, e.blocks)
         try:
             with torch.inference_mode():
                 out = self._compute(entries, x, want_logits)
@@ -194,7 +199,10 @@ class Station:
         ctx = (NativeWaveAttention(self.kv, self.spec.start, entries, self.config.sliding_window)
                if self.linear_backend == "packed"  # the native float32 kernels (mesh.core.model.kernels)
                else WaveAttention(self.kv, self.spec.start, entries, self.device, self.config.sliding_window))
-        hidden = self.model(hidden, positions, ctx)  # [T, d]
+        if self.fused is not None and isinstance(ctx, NativeWaveAttention):
+            hidden = ctx.run_layers(self.fused, hidden, positions)  # [T, d], the model's bits in one C call
+        else:
+            hidden = self.model(hidden, positions, ctx)  # [T, d]
         if not self.is_last:
             return hidden, None, None
         last_rows, params, token_pos = [], [], []
@@ -224,7 +232,11 @@ class Station:
                 raise StepError(f"entries[{i}].seq_id: {e.seq_id} appears twice in one wave")
             seen.add(e.seq_id)
             held = self.kv.length(e.seq_id)
-            if held is None and e.start_pos != 0:
+            if e.blocks:
+                why = self.kv.check_table(e.seq_id, e.start_pos, e.end_pos, e.blocks)
+                if why is not None:
+                    raise StepError(f"entries[{i}].blocks: seq_id {e.seq_id}: {why}")
+            if held is None and e.start_pos != 0 and not e.blocks:
                 raise StepError(f"entries[{i}].seq_id: unknown seq_id {e.seq_id} (start_pos {e.start_pos} "
                                 "but this station holds no KV for it)")
             if held is not None and e.start_pos != held:
@@ -233,6 +245,7 @@ class Station:
             if e.end_pos > self.config.max_position_embeddings:
                 raise StepError(f"entries[{i}]: position {e.end_pos} exceeds the model context "
                                 f"({self.config.max_position_embeddings})")
+        self._check_writes(entries)
         rows = wave_rows(entries)
         if self.is_first:
             if token_ids is None or hidden is not None:
@@ -249,6 +262,24 @@ class Station:
             raise StepError(f"hidden: expected {self.spec.dtype} {list(want)}, got "
                             f"{str(hidden.dtype).removeprefix('torch.')} {list(hidden.shape)}")
         return hidden.to(self.device)
+
+    def _check_writes(self, entries: tuple[WaveEntry, ...]) -> None:
+        """No block is written by one entry of the wave and held by another entry's table."""
+        bt, writer = self.kv.block_tokens, {}
+        for e in entries:
+            for block in e.blocks[e.start_pos // bt:]:
+                writer[block] = e.seq_id
+        for i, e in enumerate(entries):
+            for block in e.blocks:
+                if writer.get(block, e.seq_id) != e.seq_id:
+                    raise StepError(f"entries[{i}].blocks: block {block} is written by seq_id {writer[block]} "
+                                    f"in this wave and read by seq_id {e.seq_id}")
+
+    @property
+    def prefill_chunk_invariant(self) -> bool:
+        """A prompt's KV has the same bits in one chunk or several (the native kernels' fixed per-row order),
+        so cached prefix blocks can stand in for a cold prefill without changing a token."""
+        return self.linear_backend == "packed"
 
     def probe(self) -> None:
         """Run one throwaway row through every layer (the health check's proof that the forward path works),

@@ -53,9 +53,11 @@ def _finished_then_exited(proc: subprocess.Popen, worker: threading.Thread, repl
     return proc.communicate(timeout=120)[0]
 
 
-def _wait_healthy(url: str, timeout: float = 180.0) -> None:
+def _wait_healthy(url: str, timeout: float = 180.0, proc: subprocess.Popen | None = None) -> None:
+    """Wait until `url`/health answers 200; fail at `timeout`, or at once with its output when `proc` has exited."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        assert proc is None or proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else proc.returncode
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as r:
                 if r.status == 200:
@@ -123,6 +125,8 @@ def test_mesh_up_serves_and_scales_mid_stream(tmp_path, env, tiny_llama):
             r = _mesh("scale", "--stations", str(n), "--url", url, env=env, timeout=300)
             assert r.returncode == 0, r.stderr
             assert len(json.loads(r.stdout)["stations"]) == n
+            # the new stations started while the old ones held cores; once those retired, the new ones took them
+            _wait_pinned(url, env, min(n, len(os.sched_getaffinity(0))))
         for t in threads:
             t.join(timeout=300)
         assert results == reference
@@ -130,6 +134,17 @@ def test_mesh_up_serves_and_scales_mid_stream(tmp_path, env, tiny_llama):
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-2000:]
+
+
+def _wait_pinned(url: str, env, want: int) -> None:
+    """Within a bounded wait, `want` of the route's stations run pinned to cores of their own."""
+    stations: list = []
+    for _ in range(20):  # the stations claim in the background after the switch
+        stations = json.loads(_mesh("status", "--url", url, "--json", env=env).stdout)["stations"]
+        if sum(bool(s["cpu_pinned"]) for s in stations) == want:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"expected {want} pinned station(s): {stations}")
 
 
 def _mesh_up(tmp_path, env, model_dir, extra_yaml: str) -> tuple[subprocess.Popen, str]:

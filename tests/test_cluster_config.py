@@ -64,6 +64,15 @@ def test_unknown_keys_are_refused_at_every_level(tmp_path, text, parts):
     (GOOD + "stations: [{layers: [0, 6], dtype: int8}]\n", ["stations[0].dtype: expected one of"]),
     (GOOD + "stations: [{layers: [0, 6], num_gpus: -1}]\n", ["stations[0].num_gpus: expected a number >= 0"]),
     (GOOD + "stations: [{layers: [0, 6], kv_bytes: lots}]\n", ["stations[0].kv_bytes: expected bytes", "'lots'"]),
+    (GOOD + "stations: [{layers: [0, 6], resources: [gpu_a]}]\n",
+     ["stations[0].resources: expected a mapping of resource name to amount, got a list"]),
+    (GOOD + "stations: [{layers: [0, 6], resources: {zone_a: 0}}]\n", ["stations[0].resources.zone_a: expected a number > 0, got 0"]),
+    (GOOD + "stations: [{layers: [0, 6], resources: {zone_a: many}}]\n",
+     ["stations[0].resources.zone_a: expected a number > 0, got 'many'"]),
+    (GOOD + "stations: [{layers: [0, 3]}, {layers: [3, 6], resources: {7: 1}}]\n",
+     ["stations[1].resources: a resource name must be a non-empty string, got 7"]),
+    (GOOD + "stations: [{layers: [0, 6], resources: {CPU: 2}}]\n",
+     ["stations[0].resources: CPU is asked for with num_cpus / num_gpus"]),
     (GOOD + "stations: []\n", ["stations: expected a list"]),
     (GOOD + "stations: 3\n", ["stations: expected a list", "{count: N}"]),
     (GOOD + "stations: [3]\n", ["stations[0]: expected a mapping, got 3"]),
@@ -172,7 +181,7 @@ device: cpu
 kv_bytes: 64MiB
 stations:
   - {layers: [5, 12], device: cuda, dtype: bfloat16, kv_bytes: 1GiB, num_cpus: 2}
-  - {layers: [0, 5], num_gpus: 0}
+  - {layers: [0, 5], num_gpus: 0, resources: {zone_b: 1, big_mem: 0.5}}
 scheduler: {max_seqs: 16, max_wave_tokens: 256, max_queue: 8, short_first: true, short_prompt_tokens: 32, max_skips: 2,
             extra_waves: 1}
 api: {host: 0.0.0.0, port: 9000, api_key: sk-test, model_name: bench, max_n: 4}
@@ -184,7 +193,8 @@ cluster: {token: s3cret, station_host: 0.0.0.0, call_timeout_s: 5, shutdown_time
         ray=RayConfig("auto", "prod"), model=ModelSource(preset="bench", arch="qwen2"), dtype="float16", device="cpu",
         kv_bytes=64 * 2**20, stations=(
             StationSpec((5, 12), device="cuda", dtype="bfloat16", kv_bytes=2**30, num_gpus=1.0, num_cpus=2.0),
-            StationSpec((0, 5), device="cpu", dtype="float16", kv_bytes=64 * 2**20, num_gpus=0.0, num_cpus=1.0)),
+            StationSpec((0, 5), device="cpu", dtype="float16", kv_bytes=64 * 2**20, num_gpus=0.0, num_cpus=1.0,
+                        resources=(("big_mem", 0.5), ("zone_b", 1.0)))),
         scheduler=SchedulerConfig(16, 256, 8, True, 32, 2, extra_waves=1),
         api=ApiConfig("0.0.0.0", 9000, "sk-test", "bench", 4),
         cluster=ClusterConfig("s3cret", "0.0.0.0", 5.0, 0.0, "/tmp/t.json", health_period_s=2.5))
@@ -282,6 +292,10 @@ def test_direct_construction_is_validated():
         ModelSource()
     with pytest.raises(ConfigError, match="kv_bytes"):
         MeshConfig(station_count=1, kv_bytes=0)
+    with pytest.raises(ConfigError, match=r"resources: expected \(name, amount\) pairs"):
+        StationSpec((0, 6), resources={"zone_a": 1})  # a dict is not hashable: specs are dict keys
+    with pytest.raises(ConfigError, match="resources: zone_a: expected a number > 0, got -1"):
+        StationSpec((0, 6), resources=(("zone_a", -1),))
 
 
 @pytest.mark.parametrize("build, field", [

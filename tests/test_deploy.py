@@ -60,10 +60,13 @@ def _exported_names(model_dir) -> set[str]:
 EXPORTED = {f"wavemesh_{n}" for n in (
     *(f"{h}_{part}" for h in ("e2e_request_latency_seconds", "inter_token_latency_seconds",
                               "request_queue_time_seconds", "time_to_first_token_seconds", "wave_duration_seconds",
-                              "wave_occupancy", "wave_tokens") for part in ("bucket", "count", "sum")),
+                              "wave_occupancy", "wave_tokens", "route_switch_pause_seconds", "recovery_seconds")
+      for part in ("bucket", "count", "sum")),
+    "route_switches_total", "recoveries_total",
     "generation_tokens_total", "prompt_tokens_total", "request_success_total", "requests_rejected_total",
     "num_preemptions_total", "client_disconnects_total", "waves_total", "wave_prefill_rows_total",
-    "wave_decode_rows_total",
+    "wave_decode_rows_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+    "prefix_cache_blocks", "prefix_cache_bytes", "prefix_cache_enabled",
     "kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "num_waves_in_flight",
     "station_forward_seconds_total", "station_forwards_total", "station_rows_total", "station_wire_bytes_total",
     "station_kv_bytes_total", "station_kv_bytes_used", "station_sequences")}

@@ -246,6 +246,9 @@ def test_switch_route_mid_stream_keeps_tokens(tiny_llama):
             assert not any(s.done for s in streams), [(o.finish_reason, o.error, len(o.token_ids)) for s in streams for o in s.outputs]
             engine.switch_route(links)
         assert [s.result(timeout=120)[0].token_ids for s in streams] == reference
+        stats = engine.stats()
+        assert stats.route_switches == 2 and len(stats.route_switch_pauses) == 2 and min(stats.route_switch_pauses) > 0
+        print(f"\nswitch pauses (longest wait of a stream for its next token): {stats.route_switch_pauses}")
         _assert_empty(engine)
     finally:
         engine.close()

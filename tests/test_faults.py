@@ -148,6 +148,8 @@ def test_sigkill_station_mid_stream_recovers_every_token(local_ray, tiny_llama, 
     """SIGKILL station 1 while 16 requests stream: on the hub path, and with direct transfer, where station 1 is
     the last station (2 stations) or the middle one that relays every wave to the last (3 stations)."""
     prompts, params = jobs(16, max_tokens=200)
+    shared = [(13 * j) % 480 + 6 for j in range(48)]  # a prefix every prompt shares: cached blocks at the kill
+    prompts = [p[:1] + shared + p[1:] for p in prompts]
     ref = reference(tiny_llama, prompts, params)
     cluster = _cluster(tiny_llama, ranges=ranges, hidden_path=hidden_path, call_timeout_s=5, restart_timeout_s=60)
     try:
@@ -165,6 +167,7 @@ def test_sigkill_station_mid_stream_recovers_every_token(local_ray, tiny_llama, 
         print(f"\nrecovery after SIGKILL: {recovery[0]:.2f}s")
         after = cluster.engine.submit(prompts[0], params[0]).result(timeout=120)[0]  # serves afterwards
         assert after.token_ids == ref[0]
+        assert cluster.engine.stats().prefix_cache_hits > 0  # the cache was dropped at the recovery and rebuilt
     finally:
         cluster.stop()
 

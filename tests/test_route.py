@@ -213,3 +213,24 @@ def test_a_drain_refuses_new_requests_while_an_admitted_one_completes(tiny_llama
     assert engine.route.state is S.CLOSED
     with pytest.raises(IllegalTransition, match="from closed to switching"):
         engine.switch_route([])
+
+
+def test_switch_pause_is_the_longest_wait_of_a_stream_that_was_decoding():
+    from orchestrator.switch_pause import SwitchPauses
+
+    p = SwitchPauses()
+    p.token(1, 10.0)
+    p.token(2, 10.5)
+    p.begin()  # both wait for their next token
+    p.token(3, 11.0)  # a stream that had no token before the switch does not count
+    p.token(2, 12.0)
+    assert p.pauses == []
+    p.forget(1)  # ended without another token: drops out, closing the switch
+    assert p.pauses == [1.5] and p.switches == 1
+    p.begin()
+    p.token(2, 20.0)
+    p.token(3, 11.0 + 9.5)
+    assert p.pauses == [1.5, 9.5]
+    p.begin()  # a switch with no stream that waits records no pause
+    p.forget(2), p.forget(3)
+    assert p.pauses == [1.5, 9.5] and p.switches == 3

@@ -65,3 +65,30 @@ def test_actor_serves_generation_and_restarts_after_a_crash(ray_local, tiny_llam
         assert _generate(new_address, seq_id=2) == expected
     finally:
         stop_station(handle)
+
+
+def test_two_one_core_stations_own_disjoint_cores_and_take_theirs_back_after_a_restart(ray_local, tiny_llama):
+    """Two 1-core stations on this Ray node: each is pinned to its own core (where the machine has two) and runs
+    one torch thread; a station that crashes and restarts claims a core the other does not hold."""
+    spec = StationSpec(layers=(0, 6), num_cpus=1)
+    (a, _), (b, _) = (launch_station(tiny_llama, spec, max_restarts=1) for _ in range(2))
+    try:
+        pa, pb = ray.get([a.placement.remote(), b.placement.remote()])
+        assert pa["torch_threads"] == 1 and pb["torch_threads"] == 1
+        if len(os.sched_getaffinity(0)) < 2:  # one core: nothing to share out, and each says why
+            assert not pa["cpu_pinned"] and "not pinned" in pb["cpu_pinning_note"]
+            return
+        assert pa["cpu_pinned"] and pb["cpu_pinned"], (pa, pb)
+        assert len(pa["cpu_affinity"]) == 1 and len(pb["cpu_affinity"]) == 1
+        assert set(pa["cpu_affinity"]).isdisjoint(pb["cpu_affinity"]), (pa, pb)
+        info = ray.get(a.info.remote())  # the same placement, beside the station's Info
+        assert info["cpu_affinity"] == pa["cpu_affinity"] and info["torch_threads"] == 1
+
+        os.kill(pb["pid"], signal.SIGKILL)  # its core's claim ends with its process
+        station_address(b, timeout_s=120)
+        again = ray.get(b.placement.remote())
+        assert again["pid"] != pb["pid"] and again["cpu_pinned"], again
+        assert set(again["cpu_affinity"]).isdisjoint(pa["cpu_affinity"]), (pa, again)
+    finally:
+        stop_station(a)
+        stop_station(b)

@@ -26,6 +26,7 @@ from mesh.control.layer_plan import plan_layers, split_weights
 from mesh.core.config import ConfigError, ModelConfig, StationSpec
 from orchestrator.engine import Engine
 from orchestrator.remote import RemoteLink
+from mesh.control.placement import check_placement
 from mesh.control.station_recovery import bring_back
 from station.actor import create_station, station_address, stop_station
 from station.probe import ProbeConfig
@@ -42,7 +43,7 @@ def connect_ray(config: RayConfig, num_cpus: int) -> bool:
     kw = {"namespace": config.namespace, "include_dashboard": False, "logging_level": "WARNING",
           "log_to_driver": False}
     if config.address is None:
-        with _loopback_node():
+        with loopback_node():
             ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kw)
     else:
         ray.init(address=config.address, **kw)
@@ -50,7 +51,7 @@ def connect_ray(config: RayConfig, num_cpus: int) -> bool:
 
 
 @contextlib.contextmanager
-def _loopback_node():
+def loopback_node():
     """While a new local Ray starts: make its node address loopback, so its GCS, raylet, workers and agents
     listen on 127.0.0.1 only. Ray (2.x) turns `_node_ip_address="127.0.0.1"` into the host's routable address
     unless its cluster mode is off (its default on macOS and Windows); that switch is read by this process
@@ -69,18 +70,6 @@ def _loopback_node():
             os.environ.pop(_RAY_CLUSTER_ENV, None)
         else:
             os.environ[_RAY_CLUSTER_ENV] = saved_env
-
-
-def check_placement(specs: tuple[StationSpec, ...], nodes: list[dict]) -> None:
-    """Refuse (ConfigError) a station that no alive node of the Ray cluster could ever hold: more GPUs or CPUs
-    than the largest node has. Ray would keep such an actor pending for ever."""
-    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", n.get("alive", False))]
-    for spec in specs:
-        for resource, need in (("GPU", spec.num_gpus), ("CPU", spec.num_cpus)):
-            most = max((float(r.get(resource, 0.0)) for r in alive), default=0.0)
-            if need > most:
-                raise ConfigError(f"station [{spec.start}, {spec.end}): num_{resource.lower()}s={need:g} but no node "
-                                  f"of this Ray cluster has that much {resource} (largest: {most:g})")
 
 
 def _say(msg: str) -> None:
@@ -115,6 +104,12 @@ class Cluster:
         """Connect to (or start) Ray, launch every station, and build the engine over them."""
         # logical CPUs of a local Ray: room for the old and the new plan side by side while growing
         self._owns_ray = connect_ray(self.config.ray, num_cpus=max(os.cpu_count() or 1, 4 * len(self.specs) + 8))
+        try:
+            check_placement(self.specs, ray.nodes())  # before any station starts: never a silent pending actor
+        except ConfigError:
+            if self._owns_ray:
+                ray.shutdown()
+            raise
         self._launch(self.specs)
         self.engine = Engine([self._links[s] for s in self.specs], self.model, self.config.scheduler, tokenizer,
                              recover=self.recover)
@@ -185,6 +180,8 @@ class Cluster:
                         self._retire(old)
                     self.specs = specs
                     self._generation += 1
+                    for spec in specs:  # the retired stations' cores are free: an unpinned station claims them
+                        self._actors[spec].pin.remote()
             except BaseException:
                 with self._scale_lock:
                     for spec in [s for s in specs if s not in self.specs]:
@@ -238,15 +235,15 @@ class Cluster:
 
     # ---- status ----------------------------------------------------------------------------------
     def status(self) -> dict:
-        """Stations (layer ranges, addresses, health, KV), and the engine's queues and waves."""
+        """Stations (layer ranges, addresses, health, KV, pid, node and cores), and the engine's queues and waves."""
         stations = []
         for i, spec in enumerate(self.specs):
             d = self._links[spec].describe()
             try:
-                pid = ray.get(self._actors[spec].pid.remote(), timeout=2)
-            except Exception:  # noqa: BLE001 - a station that is down has no pid to report
-                pid = None
-            d.update(index=i, num_gpus=spec.num_gpus, pid=pid)
+                placed = ray.get(self._actors[spec].placement.remote(), timeout=2)
+            except Exception:  # noqa: BLE001 - a station that is down has no pid or node to report
+                placed = {"pid": None}
+            d.update(placed, index=i, num_gpus=spec.num_gpus, num_cpus=spec.num_cpus, resources=dict(spec.resources))
             stations.append(d)
         return {"model": self.model_dir.name, "num_layers": self.model.num_hidden_layers,
                 "route_generation": self._generation, "stations": stations}

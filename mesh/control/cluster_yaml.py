@@ -260,7 +260,7 @@ _SCHEMA = {  # section: {key: kind}
     "model": {"path": "str", "preset": "str", "arch": "str"},
     "scheduler": {"max_seqs": "pos_int", "max_wave_tokens": "pos_int", "max_queue": "pos_int",
                   "short_first": "bool", "short_prompt_tokens": "pos_int", "max_skips": "pos_int",
-                  "extra_waves": "nonneg_int", "hidden_path": "str"},
+                  "extra_waves": "nonneg_int", "prefix_cache": "bool", "hidden_path": "str"},
     "api": {"host": "str", "port": "int", "api_key": "opt_str", "model_name": "opt_str", "max_n": "pos_int",
             "health_cache_s": "nonneg_num"},
     "cluster": {"token": "opt_str", "station_host": "str", "call_timeout_s": "pos_num",
@@ -268,7 +268,7 @@ _SCHEMA = {  # section: {key: kind}
                 "restart_timeout_s": "pos_num", "max_restarts": "nonneg_int", "health_period_s": "pos_num",
                 "tls_cert": "opt_str", "tls_key": "opt_str", "tls_ca": "opt_str"},
     "station": {"layers": "layers", "device": "str", "dtype": "str", "kv_bytes": "size",
-                "num_gpus": "nonneg_num", "num_cpus": "nonneg_num", "linear_backend": "str"},
+                "num_gpus": "nonneg_num", "num_cpus": "nonneg_num", "linear_backend": "str", "resources": "resources"},
 }
 _TOP = ("ray", "model", "dtype", "device", "kv_bytes", "stations", "scheduler", "api", "cluster")
 
@@ -301,11 +301,24 @@ def _fields(d: dict, path: str, schema: dict) -> dict:
             _require(isinstance(v, list) and len(v) == 2 and all(is_int(x) for x in v),
                      f"{key}: expected [start, end] integers, got {v!r}")
             out[k] = tuple(v)
+        elif kind == "resources":
+            out[k] = _resources(v, key)
         else:
             ok, what = _KINDS[kind]
             _require(ok(v), f"{key}: expected {what}, got {_type(v)}")
             out[k] = float(v) if kind.endswith("_num") else v
     return out
+
+
+def _resources(v: object, key: str) -> tuple[tuple[str, float], ...]:
+    """A station's Ray custom resources {NAME: amount} as sorted (name, amount) pairs; names are strings,
+    amounts numbers > 0."""
+    _require(isinstance(v, dict), f"{key}: expected a mapping of resource name to amount, got {_type(v)}")
+    for name, amount in v.items():
+        _require(isinstance(name, str) and name != "", f"{key}: a resource name must be a non-empty string, "
+                 f"got {name!r}")
+        _require(_KINDS["pos_num"][0](amount), f"{key}.{name}: expected a number > 0, got {_type(amount)}")
+    return tuple(sorted((name, float(amount)) for name, amount in v.items()))
 
 
 def _build(cls, kw: dict, path: str):

@@ -223,8 +223,21 @@ class StationSpec:
     # bits never depend on its wave: packed for float32, then oneDNN; else F.linear) | packed (the project's own
     # C kernel, float32, or refuse) | onednn (or refuse) | aten (F.linear: MKL's bits vary with the row count)
     linear_backend: str = "auto"
+    # Ray custom resources the station's node must have, as sorted (name, amount) pairs (YAML: {NAME: amount}),
+    # e.g. a label a KubeRay worker group advertises: they place the station on that node
+    resources: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.resources, tuple)
+                 and all(isinstance(pair, tuple) and len(pair) == 2 for pair in self.resources),
+                 f"resources: expected (name, amount) pairs, got {self.resources!r}")
+        for name, amount in self.resources:
+            _require(isinstance(name, str) and name != "",
+                     f"resources: a name must be a non-empty string, got {name!r}")
+            _require(name not in ("CPU", "GPU", "memory", "object_store_memory"),
+                     f"resources: {name} is asked for with num_cpus / num_gpus, not as a custom resource")
+            _require(isinstance(amount, (int, float)) and not isinstance(amount, bool) and math.isfinite(amount)
+                     and amount > 0, f"resources: {name}: expected a number > 0, got {amount!r}")
         _require(self.linear_backend in ("auto", "aten", "onednn", "packed"),
                  f"linear_backend: expected auto, aten, onednn or packed, got {self.linear_backend!r}")
         _require(isinstance(self.layers, tuple) and len(self.layers) == 2
@@ -270,12 +283,14 @@ class SchedulerConfig:
     short_prompt_tokens: int = 64  # a prompt this long or shorter counts as short
     max_skips: int = 8  # a request passed over this many times is admitted next, short or not
     extra_waves: int = 0  # waves in flight beyond one per station: hides call latency, in smaller groups
+    prefix_cache: bool = True  # reuse committed KV blocks of shared prompt prefixes (where the stations make it exact)
     hidden_path: str = "direct"  # "direct": station to station (gRPC stations); "hub": through the orchestrator
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_wave_tokens", "max_queue", "short_prompt_tokens", "max_skips"):
             v = getattr(self, name)
             _require(is_int(v) and v > 0, f"scheduler.{name} must be a positive integer, got {v!r}")
+        _require(isinstance(self.prefix_cache, bool), f"scheduler.prefix_cache must be true or false, got {self.prefix_cache!r}")
         _require(is_int(self.extra_waves) and self.extra_waves >= 0,
                  f"scheduler.extra_waves must be an integer >= 0, got {self.extra_waves!r}")
         _require(self.hidden_path in HIDDEN_PATHS,

@@ -23,6 +23,7 @@ class WaveEntry:
     start_pos: int  # absolute position of the entry's first row (== tokens already in the KV)
     n_tokens: int  # rows this entry contributes (a prompt chunk, or 1 for a decode token)
     sample: SamplingParams | None = None  # how to draw the next token; None = no token wanted
+    blocks: tuple[int, ...] = ()  # KV block table for [0, end_pos) as the ledger assigned it; () = station allocates
 
     def __post_init__(self) -> None:
         if not (isinstance(self.seq_id, int) and self.seq_id >= 0):
@@ -31,6 +32,8 @@ class WaveEntry:
             raise ValueError(f"start_pos must be a non-negative integer, got {self.start_pos!r}")
         if not (isinstance(self.n_tokens, int) and self.n_tokens >= 1):
             raise ValueError(f"n_tokens must be an integer >= 1, got {self.n_tokens!r}")
+        if not isinstance(self.blocks, tuple):
+            raise ValueError(f"blocks must be a tuple of block ids, got {type(self.blocks).__name__}")
 
     @property
     def end_pos(self) -> int:

@@ -112,7 +112,7 @@ def entries_to_proto(entries: Sequence[WaveEntry]) -> list[pb.Entry]:
         if not isinstance(e, WaveEntry):
             raise WireError(f"entries[{i}]: expected a WaveEntry, got {type(e).__name__}")
         try:
-            msg = pb.Entry(seq_id=e.seq_id, start_pos=e.start_pos, n_tokens=e.n_tokens)
+            msg = pb.Entry(seq_id=e.seq_id, start_pos=e.start_pos, n_tokens=e.n_tokens, blocks=e.blocks)
             if e.sample is not None:
                 s = e.sample
                 # Every valid SamplingParams must travel: a top_k past uint32 means "all" as much as the
@@ -147,7 +147,8 @@ def proto_to_entries(msgs: Iterable[pb.Entry]) -> tuple[WaveEntry, ...]:
             except ParamError as err:
                 raise WireError(f"entries[{i}].sample.{err}") from err
         try:
-            out.append(WaveEntry(seq_id=m.seq_id, start_pos=m.start_pos, n_tokens=m.n_tokens, sample=sample))
+            out.append(WaveEntry(seq_id=m.seq_id, start_pos=m.start_pos, n_tokens=m.n_tokens, sample=sample,
+                                 blocks=tuple(m.blocks)))
         except ValueError as err:
             raise WireError(f"entries[{i}]: {err}") from err
     return tuple(out)

@@ -164,13 +164,25 @@ def native_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     return q, k
 
 
+def native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [T, 2I] float32 (gate, then up) -> [T, I] by csrc/layer_ops.c."""
+    t, two_i = gate_up.shape
+    gate_up = gate_up.contiguous()
+    out = torch.empty(t, two_i // 2, dtype=torch.float32)  # [T, I]
+    load_native()[0].silu_mul_f32(gate_up.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def use_native_layer_ops(model: nn.Module) -> None:
-    """Point every RMSNorm and every attention's RoPE of `model` at the native float32 kernels."""
+    """Point every RMSNorm, every attention's RoPE and every fused MLP's activation of `model` at the native
+    float32 kernels."""
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.kernel = native_rmsnorm
         elif isinstance(module, Attention):
             module.rope_kernel = native_rope
+        elif isinstance(module, MLP) and module.gate_up_proj is not None:
+            module.act_kernel = native_silu_mul
 
 
 def _packed(linear: Linear) -> None:

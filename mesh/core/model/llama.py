@@ -135,6 +135,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward."""
 
+    act_kernel = None  # Callable[[gate_up [T, 2I]], silu(gate) * up [T, I]] | None (F.silu), with gate_up_proj
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -147,6 +148,8 @@ class MLP(nn.Module):
         """x [T, d] -> [T, d]."""
         if self.gate_up_proj is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.act_kernel is not None:
+            return self.down_proj(self.act_kernel(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=1)  # [T, I] each, views of one [T, 2I]
         return self.down_proj(F.silu(gate) * up)
 

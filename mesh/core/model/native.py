@@ -66,6 +66,9 @@ SIGNATURES = {  # every exported function's argument types (all return void)
     "rope_f32": [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "paged_attention_f32": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR,
                             _PTR, _I64, _F32, _PTR, _INT],
+    "silu_mul_f32": [_PTR, _I64, _I64, _PTR, _INT],
+    "fused_layers_f32": [_PTR, _I64, _I64, _I64, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64,
+                         _I64, _PTR, _PTR, _PTR, _I64, _F32, _PTR, _INT],
 }
 
 

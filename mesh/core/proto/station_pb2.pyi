@@ -31,16 +31,18 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class Entry(_message.Message):
-    __slots__ = ("seq_id", "start_pos", "n_tokens", "sample")
+    __slots__ = ("seq_id", "start_pos", "n_tokens", "sample", "blocks")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
     N_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_pos: int
     n_tokens: int
     sample: Sampling
-    def __init__(self, seq_id: _Optional[int] = ..., start_pos: _Optional[int] = ..., n_tokens: _Optional[int] = ..., sample: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., start_pos: _Optional[int] = ..., n_tokens: _Optional[int] = ..., sample: _Optional[_Union[Sampling, _Mapping]] = ..., blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -149,7 +151,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "layer_start", "layer_end", "num_layers", "device", "dtype", "kv_bytes_used", "kv_bytes_total", "sequences", "block_tokens", "kv_blocks_total", "kv_blocks_used", "hidden_size", "vocab_size", "metrics_address")
+    __slots__ = ("model", "layer_start", "layer_end", "num_layers", "device", "dtype", "kv_bytes_used", "kv_bytes_total", "sequences", "block_tokens", "kv_blocks_total", "kv_blocks_used", "hidden_size", "vocab_size", "metrics_address", "prefill_chunk_invariant")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +167,7 @@ class InfoReply(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     model: str
     layer_start: int
     layer_end: int
@@ -180,4 +183,5 @@ class InfoReply(_message.Message):
     hidden_size: int
     vocab_size: int
     metrics_address: str
-    def __init__(self, model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_total: _Optional[int] = ..., sequences: _Optional[int] = ..., block_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    prefill_chunk_invariant: bool
+    def __init__(self, model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_total: _Optional[int] = ..., sequences: _Optional[int] = ..., block_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., metrics_address: _Optional[str] = ..., prefill_chunk_invariant: _Optional[bool] = ...) -> None: ...

@@ -1,4 +1,4 @@
-/* The station's per-layer float32 CPU ops besides the linears: RMSNorm, RoPE and paged attention.
+/* The station's per-layer float32 CPU ops besides the linears: RMSNorm, RoPE, SiLU * up and paged attention.
  *
  * Each output row is computed from its own inputs in one fixed order (no reduction is split across threads or
  * changes with the number of rows), so a row's bits are the same alone, among any others of its wave, at any
@@ -8,11 +8,47 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <immintrin.h>
 
 #define PART 8 /* partial sums per dot product: one AVX2 vector, summed by a fixed tree */
 #define MIN_ROWS_PER_THREAD 8 /* fewer rows than this per thread: one thread (a team costs more than the rows) */
 
+/* This thread's scratch buffer number `slot` (0: the packed linear's accumulators, 1: attention scores) of at least
+ * `floats` floats, 64-byte aligned: grown when a call needs more, otherwise reused, so the kernels allocate nothing
+ * per call once a station has served its largest wave. Contents are not kept between calls. */
+float *thread_scratch(int slot, size_t floats) {
+    static __thread float *buf[2];
+    static __thread size_t cap[2];
+    if (floats > cap[slot]) {
+        free(buf[slot]);
+        size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
+        buf[slot] = aligned_alloc(64, bytes);
+        cap[slot] = buf[slot] ? bytes / sizeof(float) : 0;
+    }
+    return buf[slot];
+}
+
 static inline int team(int64_t rows, int threads) { return rows >= (int64_t)threads * MIN_ROWS_PER_THREAD ? threads : 1; }
+
+/* e^x for float32: x = n ln2 + r (|r| <= ln2 / 2), a degree-7 polynomial in r, scaled by 2^n; every step an
+ * explicit fused multiply-add or a single operation, so the vector and scalar forms give the same bits. Inputs are
+ * clamped to [-87, 88] (beyond them SiLU is 0 or x to float32's precision anyway). */
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    float n = rintf(x * 1.44269504088896341f);
+    float r = fmaf(n, -0.693145751953125f, x);
+    r = fmaf(n, -1.428606765330187e-06f, r);
+    float p = fmaf(1.9875691500e-4f, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
 
 static inline float tree8(const float p[PART]) {
     return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
@@ -40,6 +76,20 @@ void rmsnorm_f32(const float *x, int64_t T, int64_t ldx, int64_t d, const float 
     }
 }
 
+/* out[t, i] = silu(gu[t, i]) * gu[t, I + i] for gu [T, 2I] (gate then up) -> out [T, I]; silu(g) = g / (1 + e^-g).
+ * Each row walks i the same way whatever T, so its bits do not depend on its company. */
+void silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out, int threads) {
+#pragma omp parallel for num_threads(team(T, threads)) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        for (int64_t i = 0; i < I; i++) {
+            float s = g[i] / (1.0f + exp_f32(-g[i]));
+            o[i] = s * u[i];
+        }
+    }
+}
+
 /* Rotate heads [T, heads, D] in place (row stride ldx) by cos/sin [T, D] (the first half pairs with the second). */
 void rope_f32(float *x, int64_t T, int64_t ldx, int64_t heads, int64_t D, const float *cos_, const float *sin_,
               int threads) {
@@ -58,40 +108,94 @@ void rope_f32(float *x, int64_t T, int64_t ldx, int64_t heads, int64_t D, const 
     }
 }
 
+/* Horizontal sum of 8 lanes in tree8's order: ((v0 + v4) + (v1 + v5)) + ((v2 + v6) + (v3 + v7)). */
+static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_hadd_ps(x, x);
+    return _mm_cvtss_f32(_mm_hadd_ps(x, x));
+}
+
+/* The sums of 8 vectors' lanes, each in tree8's order (as hsum8), side by side: lane k is a[k]'s sum. */
+static inline __m256 hsum8x8(const __m256 a[8]) {
+    __m256 b[4];
+    for (int k = 0; k < 4; k++)  /* [a_k lo + a_k hi | a_k+4 lo + a_k+4 hi]: v_j + v_j+4 */
+        b[k] = _mm256_add_ps(_mm256_permute2f128_ps(a[k], a[k + 4], 0x20), _mm256_permute2f128_ps(a[k], a[k + 4], 0x31));
+    return _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
+}
+
+/* scores[j] = (qh . key[j]) * scale for n keys [n, D] side by side. Where D is a multiple of 8 each key's dot
+ * product is 8 lanes of fused multiply-adds over d in order, summed in tree8's order (dot() otherwise), eight keys
+ * in flight at a time; a key's score is the same whichever keys share its eight. */
+static inline __attribute__((always_inline)) void score_keys(const float *qh, const float *key, int64_t n,
+                                                             const int64_t D, float scale, float *scores) {
+    if (D % PART) {
+        for (int64_t j = 0; j < n; j++) scores[j] = dot(qh, key + j * D, D) * scale;
+        return;
+    }
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const float *k0 = key + j * D;
+        __m256 a[8];
+        for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < D; i += PART) {
+            __m256 qv = _mm256_loadu_ps(qh + i);
+            for (int k = 0; k < 8; k++) a[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + k * D + i), a[k]);
+        }
+        _mm256_storeu_ps(scores + j, _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
+    }
+    for (; j < n; j++) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t i = 0; i < D; i += PART)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(key + j * D + i), a);
+        scores[j] = hsum8(a) * scale;
+    }
+}
+
 /* One row's query head qh [D] against its sequence's keys at positions [first, p] (head g of the paged cache):
- * the scores, their max, exp and sum in position order, then the values weighted in position order. Called with a
- * constant D where it can be, so the compiler keeps the D-wide sums in registers; every row takes the same path. */
+ * the scores (score_keys) and their max, every exp (exp_f32, independent of the others), their sum in PART lanes
+ * by position then tree8, then the values weighted in position order into two sums (even and odd keys) added last. Called with a constant D where it can be,
+ * so the compiler keeps the D-wide sums in registers; every row takes the same path. */
 static inline __attribute__((always_inline)) void attend_one(
         const float *qh, const float *kc, const float *vc, const int64_t *tab, int64_t BT, int64_t block_stride,
         int64_t g, int64_t first, int64_t p, const int64_t D, float scale, float *score, float *o) {
-    float mx = -INFINITY;
     for (int64_t s = first; s <= p;) {  /* block by block: no division per key */
         int64_t b = s / BT, off = s % BT, n = BT - off < p + 1 - s ? BT - off : p + 1 - s;
-        const float *key = kc + tab[b] * block_stride + (g * BT + off) * D;
-        for (int64_t j = 0; j < n; j++) {
-            float sc = dot(qh, key + j * D, D) * scale;
-            score[s - first + j] = sc;
-            if (sc > mx) mx = sc;
-        }
+        score_keys(qh, kc + tab[b] * block_stride + (g * BT + off) * D, n, D, scale, score + s - first);
         s += n;
     }
-    float total = 0.0f;
-    for (int64_t i = 0; i <= p - first; i++) {
-        score[i] = expf(score[i] - mx);
-        total += score[i];
-    }
-    float acc[D];
-    for (int64_t i = 0; i < D; i++) acc[i] = 0.0f;
+    int64_t keys = p + 1 - first;
+    float lane_max[PART], mx = -INFINITY;  /* a max is the same in any grouping: PART lanes, then across them */
+    int64_t full = keys - keys % PART;
+    for (int j = 0; j < PART; j++) lane_max[j] = -INFINITY;
+    for (int64_t i = 0; i < full; i += PART)
+        for (int j = 0; j < PART; j++) lane_max[j] = score[i + j] > lane_max[j] ? score[i + j] : lane_max[j];
+    for (int j = 0; j < PART; j++) mx = lane_max[j] > mx ? lane_max[j] : mx;
+    for (int64_t i = full; i < keys; i++) mx = score[i] > mx ? score[i] : mx;
+    for (int64_t i = 0; i < keys; i++) score[i] = exp_f32(score[i] - mx);
+    float lanes[PART] = {0};
+    for (int64_t i = 0; i < full; i += PART)
+        for (int j = 0; j < PART; j++) lanes[j] += score[i + j];
+    float total = tree8(lanes);
+    for (int64_t i = full; i < keys; i++) total += score[i];
+    float even[D], odd[D];  /* the values at even and at odd key indices (from first), each in position order */
+    for (int64_t i = 0; i < D; i++) even[i] = odd[i] = 0.0f;
     for (int64_t s = first; s <= p;) {
-        int64_t b = s / BT, off = s % BT, n = BT - off < p + 1 - s ? BT - off : p + 1 - s;
-        const float *val = vc + tab[b] * block_stride + (g * BT + off) * D;
-        for (int64_t j = 0; j < n; j++) {
-            float e = score[s - first + j];
-            for (int64_t i = 0; i < D; i++) acc[i] += e * val[j * D + i];
+        int64_t b = s / BT, off = s % BT, n = BT - off < p + 1 - s ? BT - off : p + 1 - s, j = 0;
+        const float *val = vc + tab[b] * block_stride + (g * BT + off) * D, *e = score + s - first;
+        if ((s - first) & 1) {  /* this block starts at an odd key */
+            for (int64_t i = 0; i < D; i++) odd[i] = fmaf(e[0], val[i], odd[i]);
+            j = 1;
         }
+        for (; j + 2 <= n; j += 2)
+            for (int64_t i = 0; i < D; i++) {
+                even[i] = fmaf(e[j], val[j * D + i], even[i]);
+                odd[i] = fmaf(e[j + 1], val[(j + 1) * D + i], odd[i]);
+            }
+        if (j < n)
+            for (int64_t i = 0; i < D; i++) even[i] = fmaf(e[j], val[j * D + i], even[i]);
         s += n;
     }
-    for (int64_t i = 0; i < D; i++) o[i] = acc[i] / total;
+    for (int64_t i = 0; i < D; i++) o[i] = (even[i] + odd[i]) / total;
 }
 
 /* Store every row's k/v [T, KVH, D] in the paged cache [blocks, KVH, BT, D] at its position, then attend each
@@ -114,7 +218,7 @@ void paged_attention_f32(const float *q, const float *k, const float *v, int64_t
     }
 #pragma omp parallel num_threads(team(T * H * max_keys / 512, threads))  /* per thread: >= 8 x 512 keys */
     {
-        float *score = malloc(max_keys * sizeof(float));
+        float *score = thread_scratch(1, max_keys);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < T * H; task++) {
             int64_t t = task / H, h = task % H, g = h / G, p = row_pos[t];
@@ -129,6 +233,5 @@ void paged_attention_f32(const float *q, const float *k, const float *v, int64_t
             else
                 attend_one(qh, kc, vc, tab, BT, block_stride, g, first, p, D, scale, score, o);
         }
-        free(score);
     }
 }

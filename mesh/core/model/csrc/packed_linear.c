@@ -23,6 +23,8 @@
 #endif
 #define INLINE static inline __attribute__((always_inline))
 
+float *thread_scratch(int slot, size_t floats); /* layer_ops.c: this thread's reused buffer */
+
 #if defined(__AVX512F__)
 #define LANES 16
 typedef __m512 vec;
@@ -85,7 +87,7 @@ void packed_linear_f32(const float *x, int64_t T, int64_t ldx, int64_t K, const 
     int64_t tiles = (N + TILE_N - 1) / TILE_N;
 #pragma omp parallel num_threads(threads)
     {
-        float *accbuf = aligned_alloc(64, (size_t)T * TILE_N * sizeof(float));
+        float *accbuf = thread_scratch(0, (size_t)T * TILE_N);
 #pragma omp for schedule(static)
         for (int64_t ti = 0; ti < tiles; ti++) {
             const float *w = wp + ti * K * TILE_N;
@@ -98,6 +100,5 @@ void packed_linear_f32(const float *x, int64_t T, int64_t ldx, int64_t K, const 
                 for (int c = 0; c < n_valid; c++)
                     out[t * N + n0 + c] = bias ? accbuf[t * TILE_N + c] + bias[n0 + c] : accbuf[t * TILE_N + c];
         }
-        free(accbuf);
     }
 }

@@ -1,0 +1,75 @@
+/* A station's whole layer range in one call: every float32 decoder layer of a wave, looped over in C.
+ *
+ * Per layer: RMSNorm -> fused q/k/v linear -> RoPE -> KV write into the paged pool and paged attention -> o_proj
+ * + residual -> RMSNorm -> fused gate/up linear -> SiLU(gate) * up -> down + residual, through the same kernels
+ * the per-op path calls (packed_linear.c, layer_ops.c), on the same inputs in the same order:
+ * a row's bits are those of the per-op path, alone or in any company, at any thread count. The scratch rows are
+ * allocated once per call and reused by every layer.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void packed_linear_f32(const float *x, int64_t T, int64_t ldx, int64_t K, const float *wp, int64_t N,
+                       const float *bias, float *out, int threads);
+void rmsnorm_f32(const float *x, int64_t T, int64_t ldx, int64_t d, const float *w, float eps, float *out,
+                 int threads);
+void rope_f32(float *x, int64_t T, int64_t ldx, int64_t heads, int64_t D, const float *cos_, const float *sin_,
+              int threads);
+void paged_attention_f32(const float *q, const float *k, const float *v, int64_t ldq, int64_t ldkv, int64_t T,
+                         int64_t H, int64_t KVH, int64_t D, float *kc, float *vc, int64_t BT,
+                         const int64_t *tables, const int64_t *row_table, const int64_t *row_pos, int64_t window,
+                         float scale, float *out, int threads);
+
+void silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out, int threads);
+
+/* One layer's parameters, as addresses in a row of the weights table (0: none). */
+enum { IN_NORM, POST_NORM, QKV_W, QKV_B, O_W, O_B, GATE_UP_W, DOWN_W, FIELDS };
+
+static void add_rows(float *x, const float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] + y[i];
+}
+
+#define TIMED(slot, call)                                         \
+    do {                                                          \
+        double t0_ = seconds ? omp_get_wtime() : 0.0;             \
+        call;                                                     \
+        if (seconds) seconds[slot] += omp_get_wtime() - t0_;      \
+    } while (0)
+
+/* Run layers [0, L) over x [T, d] in place. weights [L][FIELDS]: each layer's norm weights, packed linears and
+ * padded biases (csrc/packed_linear.c's layout). H/KVH/D: heads, KV heads, head width; I: the MLP's width.
+ * cos/sin [T, D]. kc/vc: layer 0's paged K/V [blocks, KVH, BT, D], layer_stride floats apart; tables/row_table/
+ * row_pos/window/scale as paged_attention_f32. seconds (NULL: not timed) accumulates [linears, attention, other ops]. */
+void fused_layers_f32(float *x, int64_t T, int64_t d, int64_t L, const int64_t *weights, float eps, int64_t H,
+                      int64_t KVH, int64_t D, int64_t I, const float *cos_, const float *sin_, float *kc, float *vc,
+                      int64_t layer_stride, int64_t BT, const int64_t *tables, const int64_t *row_table,
+                      const int64_t *row_pos, int64_t window, float scale, double *seconds, int threads) {
+    int64_t qkv_n = (H + 2 * KVH) * D;
+    float *h = malloc(sizeof(float) * T * d);            /* a norm's output, then a linear's before the residual */
+    float *qkv = malloc(sizeof(float) * T * qkv_n);      /* [T, q | k | v] */
+    float *att = malloc(sizeof(float) * T * H * D);      /* [T, H, D] */
+    float *gu = malloc(sizeof(float) * T * 2 * I);       /* [T, gate | up] */
+    float *act = malloc(sizeof(float) * T * I);          /* [T, I] */
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *w = weights + l * FIELDS;
+#define P(f) ((const float *)(intptr_t)w[f])
+        TIMED(2, rmsnorm_f32(x, T, d, d, P(IN_NORM), eps, h, threads));
+        TIMED(0, packed_linear_f32(h, T, d, d, P(QKV_W), qkv_n, P(QKV_B), qkv, threads));
+        TIMED(2, rope_f32(qkv, T, qkv_n, H, D, cos_, sin_, threads);
+                 rope_f32(qkv + H * D, T, qkv_n, KVH, D, cos_, sin_, threads));
+        TIMED(1, paged_attention_f32(qkv, qkv + H * D, qkv + (H + KVH) * D, qkv_n, qkv_n, T, H, KVH, D,
+                                     kc + l * layer_stride, vc + l * layer_stride, BT, tables, row_table, row_pos,
+                                     window, scale, att, threads));
+        TIMED(0, packed_linear_f32(att, T, H * D, H * D, P(O_W), d, P(O_B), h, threads));
+        TIMED(2, add_rows(x, h, T * d); rmsnorm_f32(x, T, d, d, P(POST_NORM), eps, h, threads));
+        TIMED(0, packed_linear_f32(h, T, d, d, P(GATE_UP_W), 2 * I, NULL, gu, threads));
+        TIMED(2, silu_mul_f32(gu, T, I, act, threads));
+        TIMED(0, packed_linear_f32(act, T, I, I, P(DOWN_W), d, NULL, h, threads));
+        TIMED(2, add_rows(x, h, T * d));
+#undef P
+    }
+    free(h), free(qkv), free(att), free(gu), free(act);
+}

@@ -1,0 +1,93 @@
+"""A range's decoder layers in one native call (csrc/fused_layer.c), set up from outside the model.
+
+On the packed float32 path (mesh.core.model.kernels) each layer otherwise costs some twenty Python calls and
+small torch ops around its C kernels. `fuse_layers` collects every layer's packed weights once into a table of
+addresses; `FusedLayers.run` then hands a whole wave to C, which loops over the layers calling the same kernels on
+the same inputs in the same order, so a row's bits are the per-op path's. A model whose layers are not all on the
+packed float32 kernels (another backend, or a weight in another format) gets None, and keeps the per-op path.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from mesh.core.model.kernels import PACK_TILE, native_rmsnorm, native_rope, native_silu_mul, packed_linear
+from mesh.core.model.llama import DecoderLayer, Linear, LlamaRange, rope_cos_sin
+from mesh.core.model.native import load_native
+
+FIELDS = ("input_norm", "post_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "gate_up_weight",
+          "down_weight")  # one row of the weights table, in csrc/fused_layer.c's order
+TIMED_PARTS = ("linears", "attention", "other")  # what `run(..., seconds=)` accumulates, in order
+
+
+def _is_packed(linear: Linear | None) -> bool:
+    """The Linear runs packed_linear on a float32 weight in packed tiles [tiles, K, 64]."""
+    if linear is None or not (isinstance(linear.kernel, partial) and linear.kernel.func is packed_linear):
+        return False
+    w = linear.weight
+    return w.dtype == torch.float32 and w.dim() == 3 and w.shape[2] == PACK_TILE and w.is_contiguous()
+
+
+def _fusable(layer: DecoderLayer) -> bool:
+    attn, mlp = layer.self_attn, layer.mlp
+    return (layer.input_layernorm.kernel is native_rmsnorm and layer.post_attention_layernorm.kernel is native_rmsnorm
+            and attn.rope_kernel is native_rope and mlp.act_kernel is native_silu_mul
+            and all(_is_packed(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+            and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None)
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class FusedLayers:
+    """Every decoder layer of one LlamaRange as one native call per wave (see the module docstring)."""
+
+    def __init__(self, model: LlamaRange) -> None:
+        cfg = model.cfg
+        self.model = model  # holds the weights the table points at
+        rows = []
+        for layer in model.model.layers.values():
+            attn, mlp = layer.self_attn, layer.mlp
+            rows.append([_address(t) for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                               attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
+                                               attn.o_proj.bias, mlp.gate_up_proj.weight, mlp.down_proj.weight)])
+        self.weights = torch.tensor(rows, dtype=torch.int64)  # [L, len(FIELDS)] addresses
+        self.shape = (cfg.hidden_size, len(rows), cfg.rms_norm_eps, cfg.num_attention_heads,
+                      cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
+        self.lib = load_native()[0]
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+            block_tokens: int, tables: torch.Tensor, row_table: torch.Tensor, row_pos: torch.Tensor, window: int,
+            seconds: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [T, d] float32 at positions [T] through every layer -> new hidden [T, d] (the input is kept).
+
+        k_pool/v_pool [layers, blocks, KVH, BT, D]: the range's paged cache; tables/row_table/row_pos/window as
+        csrc/layer_ops.c's paged_attention_f32 (int64). seconds: a float64 [3] that gains TIMED_PARTS, or None."""
+        d, layers, eps, heads, kv_heads, head_dim, inter = self.shape
+        if hidden.dtype != torch.float32 or hidden.dim() != 2 or hidden.shape[1] != d:
+            raise ValueError(f"FusedLayers.run: expected float32 hidden [T, {d}], got {hidden.dtype} "
+                             f"{list(hidden.shape)}")
+        if k_pool.shape[0] != layers or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+            raise ValueError(f"FusedLayers.run: expected contiguous K/V pools of {layers} layers")
+        if seconds is not None and (seconds.dtype != torch.float64 or seconds.numel() != len(TIMED_PARTS)):
+            raise ValueError(f"FusedLayers.run: seconds must be float64 [{len(TIMED_PARTS)}]")
+        x = hidden.clone(memory_format=torch.contiguous_format)  # [T, d], updated in place by the layers
+        cos, sin = rope_cos_sin(self.model.inv_freq, positions, torch.float32)  # [T, D] each, as the model's
+        self.lib.fused_layers_f32(x.data_ptr(), x.shape[0], d, layers, self.weights.data_ptr(), eps, heads, kv_heads,
+                                  head_dim, inter, cos.data_ptr(), sin.data_ptr(), k_pool.data_ptr(),
+                                  v_pool.data_ptr(), k_pool.stride(0), block_tokens, tables.data_ptr(),
+                                  row_table.data_ptr(), row_pos.data_ptr(), window, head_dim ** -0.5,
+                                  None if seconds is None else seconds.data_ptr(), torch.get_num_threads())
+        return x
+
+
+def fuse_layers(model: nn.Module) -> FusedLayers | None:
+    """FusedLayers for `model` when every layer runs the packed float32 kernels, else None (the per-op path)."""
+    if not isinstance(model, LlamaRange) or load_native()[0] is None:
+        return None
+    if not all(_fusable(layer) for layer in model.model.layers.values()):
+        return None
+    return FusedLayers(model)

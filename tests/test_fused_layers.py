@@ -1,0 +1,97 @@
+"""The packed float32 station runs its whole layer range in one native call (mesh.core.model.fused) and gets the
+bits the per-op path gets, for every architecture; a model that is not all on the packed kernels keeps the
+per-op path."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mesh.core.config import StationSpec
+from mesh.core.model.fused import fuse_layers
+from mesh.core.model.kernels import native_silu_mul, resolve_linear_backend
+from mesh.core.params import SamplingParams
+from mesh.core.wave import WaveEntry
+from station.step import Station
+
+GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
+
+needs_packed = pytest.mark.skipif(resolve_linear_backend("auto", torch.device("cpu"), torch.float32) != "packed",
+                                  reason="the packed native kernels do not run here")
+
+
+def _waves(station: Station) -> list[torch.Tensor]:
+    """Two prompts (one in two chunks, joined by the other mid-way), then 6 decode waves: every wave's logits."""
+    vocab = station.config.vocab_size
+    a, b = (torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (23, 40))
+    waves = [((WaveEntry(1, 0, 23, GREEDY),), a),
+             ((WaveEntry(1, 23, 1, GREEDY), WaveEntry(2, 0, 25)), a[-1:] + b[:25]),
+             ((WaveEntry(2, 25, 15, GREEDY),), b[25:])]
+    logits, last = [], {1: a[-1], 2: b[-1]}
+    for entries, ids in waves:
+        out = station.forward(entries, token_ids=torch.tensor(ids), want_logits=True)
+        logits.append(out.logits.clone())
+        last.update((e.seq_id, s.token_id) for e, s in zip(entries, out.samples) if s is not None)
+    for step in range(6):
+        entries = (WaveEntry(1, 24 + step, 1, GREEDY), WaveEntry(2, 40 + step, 1, GREEDY))
+        out = station.forward(entries, token_ids=torch.tensor([last[1], last[2]]), want_logits=True)
+        logits.append(out.logits.clone())
+        last = {1: out.samples[0].token_id, 2: out.samples[1].token_id}
+    station.release([1, 2])
+    return logits
+
+
+@needs_packed
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_one_call_per_range_gives_the_bits_of_the_per_op_path(model_dirs, arch):
+    """Prompt chunks, mixed and decode waves: the fused station's logits equal the per-op station's bit for bit
+    (llama: GQA and llama3 RoPE; mistral: sliding window; qwen2: q/k/v biases)."""
+    fused = Station(model_dirs[arch], StationSpec(layers=(0, 6)))
+    per_op = Station(model_dirs[arch], StationSpec(layers=(0, 6)))
+    assert fused.fused is not None
+    per_op.fused = None
+    for i, (x, y) in enumerate(zip(_waves(fused), _waves(per_op))):
+        assert torch.equal(x, y), f"wave {i}: the fused layers differ from the per-op path"
+
+
+@needs_packed
+def test_a_middle_station_runs_fused_on_hidden_rows(tiny_llama):
+    """A station without the embedding or head takes hidden rows through the fused call, leaving its input as
+    it was, and gives the per-op path's bits."""
+    mid = Station(tiny_llama, StationSpec(layers=(2, 4)))
+    assert mid.fused is not None
+    hidden = torch.randn(7, mid.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    kept = hidden.clone()
+    fused_out = mid.forward((WaveEntry(5, 0, 7),), hidden=hidden).hidden
+    assert torch.equal(hidden, kept)
+    mid.release([5])
+    mid.fused = None
+    assert torch.equal(fused_out, mid.forward((WaveEntry(5, 0, 7),), hidden=hidden).hidden)
+
+
+@needs_packed
+@pytest.mark.parametrize("backend", ["aten", "onednn"])
+def test_other_backends_keep_the_per_op_path(tiny_llama, backend):
+    """Only a station whose every layer runs the packed float32 kernels is fused."""
+    try:
+        st = Station(tiny_llama, StationSpec(layers=(0, 6), linear_backend=backend))
+    except ValueError:
+        pytest.skip(f"{backend} does not run here")
+    assert st.fused is None
+
+
+@needs_packed
+def test_a_layer_off_the_packed_kernels_keeps_the_model_per_op(tiny_llama):
+    """One Linear with another kernel (say, a quantized weight) and the whole model stays on the per-op path."""
+    st = Station(tiny_llama, StationSpec(layers=(0, 6)))
+    layer = next(iter(st.model.model.layers.values()))
+    layer.mlp.down_proj.kernel = lambda x, w, b: x @ w.T
+    assert fuse_layers(st.model) is None
+
+
+@needs_packed
+def test_native_silu_mul_matches_torch(tiny_llama):
+    """silu(gate) * up from the native kernel is within float32 rounding of torch's, over a wide input range."""
+    gate_up = torch.linspace(-120, 120, 7 * 2 * 96).view(7, 2 * 96)  # [T, 2I]
+    gate, up = gate_up.chunk(2, dim=1)
+    assert torch.allclose(native_silu_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-30)
