@@ -23,7 +23,8 @@ from typing import Callable
 
 from mesh.core.config import ModelConfig, SchedulerConfig
 from mesh.core.params import SamplingParams
-from orchestrator.pipeline import Pipeline, StationDown, StationLink
+from orchestrator.pipeline import StationDown, StationLink
+from orchestrator.relay import make_pipeline
 from orchestrator.route import RouteMachine, route_limits
 from orchestrator.scheduler_types import EngineStats
 from orchestrator.scheduler import AdmissionError, Scheduler, WavePlan
@@ -55,7 +56,7 @@ class Engine:
         it a station failure ends the requests of the failed wave."""
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.scheduler = Scheduler(config, route_limits(links, model.max_position_embeddings), model.eos_token_ids)
-        self.pipeline = Pipeline(links, self._on_wave_done)  # replaced by _swap: read it under the lock
+        self.pipeline = make_pipeline(links, self._on_wave_done, config.hidden_path)  # replaced by _swap: read under the lock
         self._lock = threading.Condition(threading.RLock())  # the route machine takes it inside our holds
         self.route = RouteMachine(self._lock)
         self._inbox: queue.Queue = queue.Queue()
@@ -175,7 +176,7 @@ class Engine:
         with self._lock:
             old = self.pipeline
             released = self.scheduler.rebase(limits)
-            self.pipeline = Pipeline(links, self._on_wave_done)
+            self.pipeline = make_pipeline(links, self._on_wave_done, self.config.hidden_path)
         old.release(released)  # reused stations drop the old KV before the new pipeline sends a wave
         old.barrier()
         old.close()

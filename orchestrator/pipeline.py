@@ -145,8 +145,22 @@ InboxMessage = RunWave | Release | Barrier | Stop
 WaveDone = Callable[[WavePlan, "list[SampledToken | None] | None", "BaseException | None"], None]
 
 
+def release_at(link: StationLink, seq_ids: tuple[int, ...], i: int, failed: list[int]) -> None:
+    """Free these sequences at station `i`; a failure is counted in failed[i] and logged, never raised (the
+    station may keep that KV)."""
+    try:
+        link.release(seq_ids)
+    except Exception as e:  # noqa: BLE001 - the caller goes on
+        failed[i] += 1
+        log.warning("station %d (%s): release of %d sequence(s) failed: %s: %s", i, link.address,
+                    len(seq_ids), type(e).__name__, e)
+
+
 class Pipeline:
-    """A chain of station links with one worker thread each."""
+    """A chain of station links with one worker thread each (the hub path: every station's rows come back
+    here and go out to the next; `scheduler.hidden_path: hub`, and in-process stations)."""
+
+    hidden_path = "hub"
 
     def __init__(self, links: list[StationLink], on_done: WaveDone) -> None:
         if not links:
@@ -207,12 +221,7 @@ class Pipeline:
                     log.error("station %d: unexpected inbox message %s ignored", i, type(other).__name__)
 
     def _release(self, i: int, seq_ids: tuple[int, ...]) -> None:
-        try:
-            self.links[i].release(seq_ids)
-        except Exception as e:  # noqa: BLE001 - the worker goes on; the station may keep that KV
-            self.failed_releases[i] += 1
-            log.warning("station %d (%s): release of %d sequence(s) failed: %s: %s", i, self.links[i].address,
-                        len(seq_ids), type(e).__name__, e)
+        release_at(self.links[i], seq_ids, i, self.failed_releases)
 
     def _run_wave(self, i: int, plan: WavePlan, hidden: torch.Tensor | None) -> None:
         t0 = time.perf_counter()

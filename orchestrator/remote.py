@@ -1,14 +1,18 @@
 """A station behind gRPC, as the pipeline and the control plane see it."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
 import grpc
 
 from mesh.core.transport import StationTls
 from mesh.core.wave import StationOutput
 from mesh.core.wire import WireError
 from orchestrator.pipeline import LinkKV, StationDown
-from station.client import StationCallError, StationClient
+from station.client import RelayReply, StationCallError, StationClient
 
+_T = TypeVar("_T")
 # a wave refused for what it is (a bug upstream), not for the station's state: replay would not help
 _WAVE_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
@@ -28,8 +32,25 @@ class RemoteLink:
 
     def forward(self, wave_id, entries, token_ids, hidden) -> StationOutput:
         """Run the wave on the remote station; raises StationDown when the station failed the call."""
+        return self._wave(lambda: self.client.forward(wave_id, entries, token_ids=token_ids, hidden=hidden))
+
+    def relay(self, wave_id, entries, token_ids, successors: Sequence[RemoteLink]) -> RelayReply:
+        """Run the wave here and have this station send its rows on through `successors` (direct transfer);
+        their KV reports update their links. StationDown when any station of the chain failed the call, or a
+        relayed report is malformed (the wave's effect is then unknown: replay)."""
+        reply = self._wave(lambda: self.client.relay(wave_id, entries, token_ids=token_ids,
+                                                      relay_to=[s.address for s in successors]))
         try:
-            return self.client.forward(wave_id, entries, token_ids=token_ids, hidden=hidden)
+            for link, hop in zip(successors, reply.hops):
+                link.client.note_kv(hop.kv)
+        except WireError as e:
+            raise StationDown(f"station {self.address} relayed a malformed report: {e}") from e
+        return reply
+
+    def _wave(self, call: Callable[[], _T]) -> _T:
+        """Make a wave call; a station that failed it raises StationDown (a refused wave raises as it came)."""
+        try:
+            return call()
         except StationCallError as e:
             if e.code in _WAVE_ERRORS:
                 raise

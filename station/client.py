@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import grpc
 import torch
@@ -30,6 +31,14 @@ from mesh.core.wire import WireError, encode_forward, proto_to_samples, proto_to
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
 
 
+class RelayReply(NamedTuple):
+    """What a Forward call brought back: the output, one report per relayed station, the callee's time in the call."""
+
+    output: StationOutput
+    hops: list[pb.RelayHop]
+    served_seconds: float
+
+
 class StationCallError(RuntimeError):
     """A station call failed; `code` is the grpc.StatusCode, `details` the server's message."""
 
@@ -38,6 +47,17 @@ class StationCallError(RuntimeError):
         self.method = method
         self.code = code
         self.details = details
+
+
+def station_channel(address: str, max_message_bytes: int, tls: StationTls | None) -> grpc.Channel:
+    """A channel to a station: plain, or mutual TLS with this side's certificate (checked against `tls.server_name`)."""
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes)]
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
+    options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.secure_channel(address, creds, options=options)
 
 
 class StationClient:
@@ -62,16 +82,9 @@ class StationClient:
         self.kv_bytes_total = kv_bytes_total
         self._kv_usage: KVUsage | None = None
         self._kv_lock = threading.Lock()
-        options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
         self._metadata = bearer_metadata(token)
-        if tls is None:
-            self._channel = grpc.insecure_channel(address, options=options)
-        else:
-            creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
-                                                 certificate_chain=tls.cert)
-            options.append(("grpc.ssl_target_name_override", tls.server_name))
-            self._channel = grpc.secure_channel(address, creds, options=options)
+        self._channel = station_channel(address, max_message_bytes, tls)
+        self.forward_bytes = [0, 0]  # Forward request bytes sent, reply bytes received (through this caller)
         self._stub = station_pb2_grpc.StationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -86,8 +99,20 @@ class StationClient:
     def forward(self, wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequence[int] | torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None) -> StationOutput:
         """Run one wave on the station: token ids [T] to the first station, hidden [T, d] to the others."""
-        request = encode_forward(wave_id, entries, token_ids, hidden)
+        return self.relay(wave_id, entries, token_ids, hidden).output
+
+    def relay(self, wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequence[int] | torch.Tensor | None = None,
+              hidden: torch.Tensor | None = None, relay_to: Sequence[str] = ()) -> RelayReply:
+        """Run one wave on the station, which sends its output on to the stations `relay_to` itself (direct
+        transfer); returns the output that came back (the last station's samples), one RelayHop per station of
+        `relay_to` (their KV and timings; none without relay_to) and the station's own time in the call."""
+        request = encode_forward(wave_id, entries, token_ids, hidden, relay_to)
         reply = self._call("Forward", self._stub.Forward, request)
+        with self._kv_lock:
+            self.forward_bytes[0] += request.ByteSize()
+            self.forward_bytes[1] += reply.ByteSize()
+        if len(reply.relayed) != len(relay_to):
+            raise WireError(f"relayed: {len(reply.relayed)} hop reports for {len(relay_to)} relayed stations")
         result = reply.WhichOneof("result")
         if result == "hidden":
             rows = wave_rows(tuple(entries))
@@ -99,7 +124,7 @@ class StationClient:
         else:
             raise WireError("result: the reply carries neither hidden rows nor samples")
         self._note_kv(reply)
-        return output
+        return RelayReply(output, list(reply.relayed), reply.served_seconds)
 
     def release(self, seq_ids: Sequence[int]) -> int:
         """Free these sequences' KV on the station; returns how many were resident."""
@@ -116,7 +141,11 @@ class StationClient:
         """Validate the reply's `kv` field and keep it when it is newer than the last report."""
         if not reply.HasField("kv"):
             raise WireError("kv: the reply carries no KV occupancy")
-        kv = reply.kv
+        self.note_kv(reply.kv)
+
+    def note_kv(self, kv: pb.KVUsage) -> None:
+        """Keep a KV report of this station (from its own reply, or relayed by the station before it) when it is
+        newer than the last one; WireError when it exceeds the station's totals."""
         for name, value, limit in (("bytes_used", kv.bytes_used, self.kv_bytes_total),
                                    ("blocks_used", kv.blocks_used, self.kv_blocks_total)):
             if limit is not None and value > limit:

@@ -23,31 +23,30 @@ may be used with or without it. The server binds only `host` (default loopback).
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mesh.core.config import DTYPE_BYTES, ConfigError, is_int
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
-from mesh.core.transport import StationTls, check_token, host_port
-from mesh.core.wire import WireError, decode_forward, samples_to_proto, tensor_to_proto
+from mesh.core.transport import StationTls, host_port
+from mesh.core.wire import WireError, decode_forward, decode_relay, samples_to_proto, tensor_to_proto
+from station.interceptors import SERVICE_NAME, StrictDecode, TokenAuth
 from station.kv import KVBudgetError
 from station.probe import HealthProbe, ProbeConfig
+from station.relay import RelayError, Successors
 from station.step import Station, StepError
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Station"].full_name  # "wavemesh.v1.Station"
-OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # method prefixes served without the cluster token
 GRPC_MAX_MESSAGE = 2**31 - 1  # gRPC counts message lengths in a signed int32
 _R = TypeVar("_R")
 
@@ -85,70 +84,19 @@ class StationBusy(RuntimeError):
     """Too many calls already hold or wait for the station."""
 
 
-class TokenAuth(grpc.ServerInterceptor):
-    """Refuse, with UNAUTHENTICATED, every call outside OPEN_SERVICES without `authorization: Bearer <token>`."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {check_token(token)}".encode()
-
-        def deny(request: bytes, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token "
-                          "(metadata `authorization: Bearer <token>`)")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)  # no deserializer: the request is never decoded
-
-    def intercept_service(self, continuation, handler_call_details):
-        """Pass health checks and calls carrying the token; answer all others with the refusal."""
-        if handler_call_details.method.startswith(OPEN_SERVICES):
-            return continuation(handler_call_details)
-        given = next((v for k, v in handler_call_details.invocation_metadata or () if k == "authorization"), "")
-        given = given.encode() if isinstance(given, str) else bytes(given)
-        if hmac.compare_digest(given, self._expected):
-            return continuation(handler_call_details)
-        return self._deny
-
-
-class StrictDecode(grpc.ServerInterceptor):
-    """Answer a request whose bytes do not parse with INVALID_ARGUMENT (gRPC's own answer is INTERNAL): the
-    Station's methods and the open health check alike."""
-
-    def intercept_service(self, continuation, handler_call_details):
-        """Wrap the unary Station handlers so a parse failure reaches them as a refusal, not an exception."""
-        handler = continuation(handler_call_details)
-        if (handler is None or handler.unary_unary is None
-                or not handler_call_details.method.startswith((f"/{SERVICE_NAME}/", *OPEN_SERVICES))):
-            return handler
-        parse, behavior = handler.request_deserializer, handler.unary_unary
-
-        def safe_parse(data: bytes) -> object:
-            try:
-                return parse(data)
-            except DecodeError as err:  # a bad varint or length, invalid UTF-8 in a string, ...
-                return _Malformed(f"{type(err).__name__}: {err}")
-
-        def guarded(request, context: grpc.ServicerContext):
-            if isinstance(request, _Malformed):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid protobuf message: {request}")
-            return behavior(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(guarded, request_deserializer=safe_parse,
-                                                   response_serializer=handler.response_serializer)
-
-
-class _Malformed(str):
-    """What StrictDecode hands on in place of a request that did not parse (the parser's message)."""
-
-
 class StationServicer(station_pb2_grpc.StationServicer):
     """Forward / Release / Info over one Station; error classes map to status codes."""
 
-    def __init__(self, station: Station, limits: ServerLimits, metrics_address: str = "") -> None:
+    def __init__(self, station: Station, limits: ServerLimits, metrics_address: str = "",
+                 successors: Successors | None = None) -> None:
+        """`successors`: how this station reaches the next ones on a relayed wave (None: it refuses relays)."""
         self.station = station
+        self.successors = successors
         self.limits = limits
         self.metrics_address = metrics_address
         self._lock = threading.Lock()  # one station call at a time: the KV is not thread-safe
         self._pending = threading.BoundedSemaphore(limits.max_pending)
-        self.wire_bytes = {"in": 0, "out": 0}  # Forward request / reply bytes, read by the metrics endpoint
+        self.wire_bytes = {"in": 0, "out": 0}  # Forward bytes, relays to the next station included (/metrics)
         self._wire_lock = threading.Lock()
 
     def _exclusive(self, fn: Callable[[], _R]) -> _R:
@@ -183,6 +131,8 @@ class StationServicer(station_pb2_grpc.StationServicer):
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(err)
         except (KVBudgetError, StationBusy) as err:
             code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
+        except RelayError as err:  # the successor's own status, handed on
+            code, message = err.code, str(err)
         except Exception as err:  # a bug must cost one call, not the server
             log.exception("%s failed unexpectedly", method)
             code, message = grpc.StatusCode.INTERNAL, f"{method}: {type(err).__name__}: {err}"
@@ -190,21 +140,29 @@ class StationServicer(station_pb2_grpc.StationServicer):
         raise AssertionError("unreachable")
 
     def Forward(self, request: pb.ForwardRequest, context: grpc.ServicerContext) -> pb.ForwardReply:
-        """One batched step over the wave in `request`."""
+        """One batched step over the wave in `request`; with `relay_to`, the output goes on to those stations
+        (station.relay) and their answer comes back."""
+        started = time.perf_counter()
 
         def run() -> pb.ForwardReply:
             st = self.station
             _, entries, token_ids, hidden = decode_forward(
                 request, hidden_size=st.config.hidden_size, dtype=st.spec.dtype, vocab_size=st.config.vocab_size,
                 max_entries=self.limits.max_entries, max_rows=self.limits.max_rows)
+            relay_to = decode_relay(request)
+            if relay_to and (self.successors is None or st.spec.end >= st.config.num_hidden_layers):
+                raise WireError("relay_to: this station cannot relay (it holds the last layer, or serves no relays)")
             out, kv = self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, hidden=hidden),
                                                kv_usage_proto(st)))
+            if relay_to:  # outside the station lock: the next wave computes while the successors run this one
+                return self.successors.relay(request, relay_to, out, kv, context.time_remaining(), self._count_wire)
             if out.hidden is not None:
                 return pb.ForwardReply(hidden=tensor_to_proto(out.hidden), forward_seconds=out.seconds, kv=kv)
             return pb.ForwardReply(samples=samples_to_proto(out.samples or []), forward_seconds=out.seconds, kv=kv)
 
         self._count_wire("in", request.ByteSize())
         reply = self._guarded(context, "Forward", run)
+        reply.served_seconds = time.perf_counter() - started
         self._count_wire("out", reply.ByteSize())
         return reply
 
@@ -254,7 +212,7 @@ class StationServer:
         self._server = server
         self._health = health_servicer
         self._probe = probe
-        self.servicer = servicer
+        self.servicer = servicer  # its `successors` are closed with the server
         self.host, self.port = host, port
         self.address = host_port(host, port)
 
@@ -264,6 +222,8 @@ class StationServer:
             self._probe.stop()
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        if self.servicer.successors is not None:
+            self.servicer.successors.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stops (True) or `timeout` passes (False)."""
@@ -278,13 +238,17 @@ class StationServer:
 
 def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limits: ServerLimits = ServerLimits(),
                  metrics_address: str = "", *, token: str | None = None,
-                 tls: StationTls | None = None, probe: ProbeConfig | None = None) -> StationServer:
+                 tls: StationTls | None = None, probe: ProbeConfig | None = None,
+                 relay_tls: StationTls | None = None) -> StationServer:
     """Serve `station` on host:port (0 = a free port); health is SERVING once this returns.
 
     `probe`: keep the health answer true to the forward path (station.probe): a probe row every
     `probe.period_s`; NOT_SERVING while it fails or a forward holds the station past `probe.hang_s`.
     `token`: Forward / Release / Info need `authorization: Bearer <token>` (health stays open).
     `tls`: serve mutual TLS (clients must present a certificate signed by `tls.ca`).
+    `relay_tls`: what this station presents when it relays a wave to the next station (default `tls`: one
+    certificate for both sides, as `mesh up` deploys; give the orchestrator's client material where station
+    certificates are for serving only). Relayed calls carry `token` too.
     """
     size = limits.message_bytes(station.config.hidden_size)
     options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
@@ -293,7 +257,8 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.max_workers,
                                                     thread_name_prefix="station-grpc"),
                          options=options, interceptors=interceptors)
-    servicer = StationServicer(station, limits, metrics_address)
+    successors = Successors(token, relay_tls or tls, size)  # relayed waves go on with this station's own credentials
+    servicer = StationServicer(station, limits, metrics_address, successors)
     station_pb2_grpc.add_StationServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -118,13 +118,13 @@ def test_without_recovery_a_lost_call_ends_only_that_wave(tiny_llama):
 ray = pytest.importorskip("ray")
 
 
-def _cluster(model_dir, tokenizer=None, **cluster_kw):
+def _cluster(model_dir, tokenizer=None, ranges=((0, 2), (2, 6)), hidden_path="direct", **cluster_kw):
     from mesh.control.cluster_yaml import ClusterConfig, MeshConfig, ModelSource
     from mesh.control.cluster import Cluster
 
     cfg = MeshConfig(model=ModelSource(path=str(model_dir)),
-                     stations=(StationSpec(layers=(0, 2)), StationSpec(layers=(2, 6))),
-                     scheduler=SchedulerConfig(max_seqs=16, max_wave_tokens=64),
+                     stations=tuple(StationSpec(layers=r) for r in ranges),
+                     scheduler=SchedulerConfig(max_seqs=16, max_wave_tokens=64, hidden_path=hidden_path),
                      cluster=ClusterConfig(**cluster_kw))
     cluster = Cluster(cfg, model_dir, progress=lambda msg: None)
     cluster.start(tokenizer)
@@ -142,13 +142,18 @@ def _when_streaming(engine, streams, tokens=40, timeout=60):
     assert not any(s.done for s in streams)
 
 
-def test_sigkill_station_mid_stream_recovers_every_token(local_ray, tiny_llama):
+@pytest.mark.parametrize("ranges, hidden_path", [(((0, 2), (2, 6)), "hub"), (((0, 2), (2, 6)), "direct"),
+                                                  (((0, 1), (1, 4), (4, 6)), "direct")])
+def test_sigkill_station_mid_stream_recovers_every_token(local_ray, tiny_llama, ranges, hidden_path):
+    """SIGKILL station 1 while 16 requests stream: on the hub path, and with direct transfer, where station 1 is
+    the last station (2 stations) or the middle one that relays every wave to the last (3 stations)."""
     prompts, params = jobs(16, max_tokens=200)
     shared = [(13 * j) % 480 + 6 for j in range(48)]  # a prefix every prompt shares: cached blocks at the kill
     prompts = [p[:1] + shared + p[1:] for p in prompts]
     ref = reference(tiny_llama, prompts, params)
-    cluster = _cluster(tiny_llama, call_timeout_s=5, restart_timeout_s=60)
+    cluster = _cluster(tiny_llama, ranges=ranges, hidden_path=hidden_path, call_timeout_s=5, restart_timeout_s=60)
     try:
+        assert cluster.engine.pipeline.hidden_path == hidden_path
         streams = [cluster.engine.submit(p, sp) for p, sp in zip(prompts, params)]
         _when_streaming(cluster.engine, streams)
         old_pid = _pid(cluster, 1)
@@ -156,6 +161,7 @@ def test_sigkill_station_mid_stream_recovers_every_token(local_ray, tiny_llama):
         outs = [s.result(timeout=300)[0] for s in streams]
         assert [o.token_ids for o in outs] == ref
         assert _pid(cluster, 1) != old_pid
+        assert cluster.engine.pipeline.hidden_path == hidden_path  # the rebuilt route relays as before
         recovery = cluster.engine.recovery_seconds
         assert len(recovery) >= 1
         print(f"\nrecovery after SIGKILL: {recovery[0]:.2f}s")

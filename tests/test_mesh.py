@@ -25,10 +25,10 @@ def _reference(model_dir, prompts, params):
     return [generate_one(st, p, sp)[0] for p, sp in zip(prompts, params)]
 
 
-def _cluster(model_dir, ranges):
+def _cluster(model_dir, ranges, hidden_path="direct"):
     cfg = MeshConfig(model=ModelSource(path=str(model_dir)),
                      stations=tuple(StationSpec(layers=r) for r in ranges),
-                     scheduler=SchedulerConfig(max_seqs=16, max_wave_tokens=64))
+                     scheduler=SchedulerConfig(max_seqs=16, max_wave_tokens=64, hidden_path=hidden_path))
     cluster = Cluster(cfg, model_dir, progress=lambda msg: None)
     cluster.start()
     return cluster
@@ -54,11 +54,13 @@ def test_stations_over_grpc_match_in_process(local_ray, tiny_llama, ranges):
         cluster.stop()
 
 
-def test_scale_while_serving_keeps_every_token(local_ray, tiny_llama):
-    """1 -> 3 -> 1 -> 2 stations while 8 requests stream: every token equals the never-changed reference."""
+@pytest.mark.parametrize("hidden_path", ["direct", "hub"])
+def test_scale_while_serving_keeps_every_token(local_ray, tiny_llama, hidden_path):
+    """1 -> 3 -> 1 -> 2 stations while 8 requests stream: every token equals the never-changed reference, with
+    hidden rows station to station (direct) or through the orchestrator (hub)."""
     prompts, params = _jobs(8, max_tokens=600)
     reference = _reference(tiny_llama, prompts, params)
-    cluster = _cluster(tiny_llama, ((0, 6),))
+    cluster = _cluster(tiny_llama, ((0, 6),), hidden_path)
     try:
         first = list(cluster._actors.values())
         # every plan's stations are loaded beside the route before the requests start, so each switch
@@ -75,6 +77,7 @@ def test_scale_while_serving_keeps_every_token(local_ray, tiny_llama):
             assert not any(s.done for s in streams), "requests ended before the route changed"
             specs = grow()
             assert len(specs) == target
+            assert cluster.engine.pipeline.hidden_path == (hidden_path if target > 1 else "hub")
             assert [s["layers"] for s in cluster.status()["stations"]] == [list(s.layers) for s in specs]
         assert [list(s.layers) for s in cluster.specs] == [[0, 4], [4, 6]]
         outs = [s.result(timeout=300)[0] for s in streams]

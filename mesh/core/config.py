@@ -269,6 +269,9 @@ class StationSpec:
                  f"layers: end {self.end} exceeds the model's {model.num_hidden_layers} layers")
 
 
+HIDDEN_PATHS = ("direct", "hub")  # how hidden rows go from station to station (orchestrator/relay.py)
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """How the orchestrator plans waves and admits requests."""
@@ -281,6 +284,7 @@ class SchedulerConfig:
     max_skips: int = 8  # a request passed over this many times is admitted next, short or not
     extra_waves: int = 0  # waves in flight beyond one per station: hides call latency, in smaller groups
     prefix_cache: bool = True  # reuse committed KV blocks of shared prompt prefixes (where the stations make it exact)
+    hidden_path: str = "direct"  # "direct": station to station (gRPC stations); "hub": through the orchestrator
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_wave_tokens", "max_queue", "short_prompt_tokens", "max_skips"):
@@ -289,6 +293,8 @@ class SchedulerConfig:
         _require(isinstance(self.prefix_cache, bool), f"scheduler.prefix_cache must be true or false, got {self.prefix_cache!r}")
         _require(is_int(self.extra_waves) and self.extra_waves >= 0,
                  f"scheduler.extra_waves must be an integer >= 0, got {self.extra_waves!r}")
+        _require(self.hidden_path in HIDDEN_PATHS,
+                 f"scheduler.hidden_path must be one of {list(HIDDEN_PATHS)}, got {self.hidden_path!r}")
         _require(self.max_wave_tokens >= self.max_seqs,
                  f"scheduler.max_wave_tokens ({self.max_wave_tokens}) must be >= max_seqs ({self.max_seqs}) "
                  "so every decoding sequence fits in one wave")

@@ -209,12 +209,13 @@ def proto_to_samples(msg: pb.Samples, *, n_entries: int | None = None,
 
 
 def encode_forward(wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequence[int] | None,
-                   hidden: torch.Tensor | None) -> pb.ForwardRequest:
-    """Build a ForwardRequest: token ids for the first station, hidden rows for the others."""
+                   hidden: torch.Tensor | None, relay_to: Sequence[str] = ()) -> pb.ForwardRequest:
+    """Build a ForwardRequest: token ids for the first station, hidden rows for the others; `relay_to`:
+    the stations after this one, to which the station sends its output itself (direct transfer)."""
     if (token_ids is None) == (hidden is None):
         raise WireError("payload: give exactly one of token_ids or hidden")
     rows = sum(e.n_tokens for e in entries)
-    req = pb.ForwardRequest(wave_id=wave_id, entries=entries_to_proto(entries))
+    req = pb.ForwardRequest(wave_id=wave_id, entries=entries_to_proto(entries), relay_to=list(relay_to))
     if token_ids is not None:
         ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
         if len(ids) != rows:
@@ -271,3 +272,19 @@ def decode_forward(
         j = int((~finite).nonzero()[0, 0])
         raise WireError(f"hidden[{j}]: holds NaN or infinite values; hidden rows must be finite")
     return msg.wave_id, entries, None, hidden
+
+
+MAX_RELAY_HOPS = 64  # stations after the first in one relayed wave
+MAX_ADDRESS_CHARS = 255
+
+
+def decode_relay(msg: pb.ForwardRequest) -> tuple[str, ...]:
+    """The `relay_to` addresses of a ForwardRequest, checked: at most MAX_RELAY_HOPS "host:port" strings."""
+    hops = tuple(msg.relay_to)
+    if len(hops) > MAX_RELAY_HOPS:
+        raise WireError(f"relay_to: {len(hops)} stations exceeds {MAX_RELAY_HOPS}")
+    for i, address in enumerate(hops):
+        host, sep, port = address.rpartition(":")
+        if not (sep and host and port.isdigit() and len(address) <= MAX_ADDRESS_CHARS and address.isprintable()):
+            raise WireError(f"relay_to[{i}]: {address[:80]!r} is not a host:port address")
+    return hops

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19wavemesh/v1/station.proto\x12\x0bwavemesh.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"]\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x01(\r\"\x87\x01\n\x05\x45ntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\tstart_pos\x18\x02 \x01(\r\x12\x10\n\x08n_tokens\x18\x03 \x01(\r\x12*\n\x06sample\x18\x04 \x01(\x0b\x32\x15.wavemesh.v1.SamplingH\x00\x88\x01\x01\x12\x12\n\x06\x62locks\x18\x05 \x03(\rB\x02\x10\x01\x42\t\n\x07_sample\"\x1b\n\x08TokenIds\x12\x0f\n\x03ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"\xa4\x01\n\x0e\x46orwardRequest\x12#\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x12.wavemesh.v1.Entry\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.wavemesh.v1.TokenIdsH\x00\x12%\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.wavemesh.v1.TensorH\x00\x12\x0f\n\x07wave_id\x18\x04 \x01(\x04\x42\t\n\x07payload\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"s\n\x06Sample\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.wavemesh.v1.TopLogprobB\n\n\x08_logprob\"/\n\x07Samples\x12$\n\x07samples\x18\x01 \x03(\x0b\x32\x13.wavemesh.v1.Sample\"V\n\x07KVUsage\x12\x12\n\nbytes_used\x18\x01 \x01(\x04\x12\x13\n\x0b\x62locks_used\x18\x02 \x01(\x04\x12\x11\n\tsequences\x18\x03 \x01(\r\x12\x0f\n\x07\x63hanges\x18\x04 \x01(\x04\"\xa3\x01\n\x0c\x46orwardReply\x12%\n\x06hidden\x18\x01 \x01(\x0b\x32\x13.wavemesh.v1.TensorH\x00\x12\'\n\x07samples\x18\x02 \x01(\x0b\x32\x14.wavemesh.v1.SamplesH\x00\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12 \n\x02kv\x18\x04 \x01(\x0b\x32\x14.wavemesh.v1.KVUsageB\x08\n\x06result\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"B\n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\r\x12 \n\x02kv\x18\x02 \x01(\x0b\x32\x14.wavemesh.v1.KVUsage\"\r\n\x0bInfoRequest\"\xe1\x02\n\tInfoReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\rkv_bytes_used\x18\x07 \x01(\x04\x12\x16\n\x0ekv_bytes_total\x18\x08 \x01(\x04\x12\x11\n\tsequences\x18\t \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\n \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x0c \x01(\x04\x12\x13\n\x0bhidden_size\x18\r \x01(\r\x12\x12\n\nvocab_size\x18\x0e \x01(\r\x12\x17\n\x0fmetrics_address\x18\x0f \x01(\t\x12\x1f\n\x17prefill_chunk_invariant\x18\x10 \x01(\x08\x32\xc9\x01\n\x07Station\x12\x41\n\x07\x46orward\x12\x1b.wavemesh.v1.ForwardRequest\x1a\x19.wavemesh.v1.ForwardReply\x12\x41\n\x07Release\x12\x1b.wavemesh.v1.ReleaseRequest\x1a\x19.wavemesh.v1.ReleaseReply\x12\x38\n\x04Info\x12\x18.wavemesh.v1.InfoRequest\x1a\x16.wavemesh.v1.InfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19wavemesh/v1/station.proto\x12\x0bwavemesh.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"]\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x01(\r\"\x87\x01\n\x05\x45ntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\tstart_pos\x18\x02 \x01(\r\x12\x10\n\x08n_tokens\x18\x03 \x01(\r\x12*\n\x06sample\x18\x04 \x01(\x0b\x32\x15.wavemesh.v1.SamplingH\x00\x88\x01\x01\x12\x12\n\x06\x62locks\x18\x05 \x03(\rB\x02\x10\x01\x42\t\n\x07_sample\"\x1b\n\x08TokenIds\x12\x0f\n\x03ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"\xb6\x01\n\x0e\x46orwardRequest\x12#\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x12.wavemesh.v1.Entry\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.wavemesh.v1.TokenIdsH\x00\x12%\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.wavemesh.v1.TensorH\x00\x12\x0f\n\x07wave_id\x18\x04 \x01(\x04\x12\x10\n\x08relay_to\x18\x05 \x03(\tB\t\n\x07payload\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"s\n\x06Sample\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.wavemesh.v1.TopLogprobB\n\n\x08_logprob\"/\n\x07Samples\x12$\n\x07samples\x18\x01 \x03(\x0b\x32\x13.wavemesh.v1.Sample\"V\n\x07KVUsage\x12\x12\n\nbytes_used\x18\x01 \x01(\x04\x12\x13\n\x0b\x62locks_used\x18\x02 \x01(\x04\x12\x11\n\tsequences\x18\x03 \x01(\r\x12\x0f\n\x07\x63hanges\x18\x04 \x01(\x04\"\xe3\x01\n\x0c\x46orwardReply\x12%\n\x06hidden\x18\x01 \x01(\x0b\x32\x13.wavemesh.v1.TensorH\x00\x12\'\n\x07samples\x18\x02 \x01(\x0b\x32\x14.wavemesh.v1.SamplesH\x00\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12 \n\x02kv\x18\x04 \x01(\x0b\x32\x14.wavemesh.v1.KVUsage\x12&\n\x07relayed\x18\x05 \x03(\x0b\x32\x15.wavemesh.v1.RelayHop\x12\x16\n\x0eserved_seconds\x18\x06 \x01(\x01\x42\x08\n\x06result\"\x84\x01\n\x08RelayHop\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12 \n\x02kv\x18\x02 \x01(\x0b\x32\x14.wavemesh.v1.KVUsage\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12\x16\n\x0eserved_seconds\x18\x04 \x01(\x01\x12\x14\n\x0c\x63\x61ll_seconds\x18\x05 \x01(\x01\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"B\n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\r\x12 \n\x02kv\x18\x02 \x01(\x0b\x32\x14.wavemesh.v1.KVUsage\"\r\n\x0bInfoRequest\"\xe1\x02\n\tInfoReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\rkv_bytes_used\x18\x07 \x01(\x04\x12\x16\n\x0ekv_bytes_total\x18\x08 \x01(\x04\x12\x11\n\tsequences\x18\t \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\n \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x0c \x01(\x04\x12\x13\n\x0bhidden_size\x18\r \x01(\r\x12\x12\n\nvocab_size\x18\x0e \x01(\r\x12\x17\n\x0fmetrics_address\x18\x0f \x01(\t\x12\x1f\n\x17prefill_chunk_invariant\x18\x10 \x01(\x08\x32\xc9\x01\n\x07Station\x12\x41\n\x07\x46orward\x12\x1b.wavemesh.v1.ForwardRequest\x1a\x19.wavemesh.v1.ForwardReply\x12\x41\n\x07Release\x12\x1b.wavemesh.v1.ReleaseRequest\x1a\x19.wavemesh.v1.ReleaseReply\x12\x38\n\x04Info\x12\x18.wavemesh.v1.InfoRequest\x1a\x16.wavemesh.v1.InfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,25 +44,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=329
   _globals['_TOKENIDS']._serialized_end=356
   _globals['_FORWARDREQUEST']._serialized_start=359
-  _globals['_FORWARDREQUEST']._serialized_end=523
-  _globals['_TOPLOGPROB']._serialized_start=525
-  _globals['_TOPLOGPROB']._serialized_end=572
-  _globals['_SAMPLE']._serialized_start=574
-  _globals['_SAMPLE']._serialized_end=689
-  _globals['_SAMPLES']._serialized_start=691
-  _globals['_SAMPLES']._serialized_end=738
-  _globals['_KVUSAGE']._serialized_start=740
-  _globals['_KVUSAGE']._serialized_end=826
-  _globals['_FORWARDREPLY']._serialized_start=829
-  _globals['_FORWARDREPLY']._serialized_end=992
-  _globals['_RELEASEREQUEST']._serialized_start=994
-  _globals['_RELEASEREQUEST']._serialized_end=1027
-  _globals['_RELEASEREPLY']._serialized_start=1029
-  _globals['_RELEASEREPLY']._serialized_end=1095
-  _globals['_INFOREQUEST']._serialized_start=1097
-  _globals['_INFOREQUEST']._serialized_end=1110
-  _globals['_INFOREPLY']._serialized_start=1113
-  _globals['_INFOREPLY']._serialized_end=1466
-  _globals['_STATION']._serialized_start=1469
-  _globals['_STATION']._serialized_end=1670
+  _globals['_FORWARDREQUEST']._serialized_end=541
+  _globals['_TOPLOGPROB']._serialized_start=543
+  _globals['_TOPLOGPROB']._serialized_end=590
+  _globals['_SAMPLE']._serialized_start=592
+  _globals['_SAMPLE']._serialized_end=707
+  _globals['_SAMPLES']._serialized_start=709
+  _globals['_SAMPLES']._serialized_end=756
+  _globals['_KVUSAGE']._serialized_start=758
+  _globals['_KVUSAGE']._serialized_end=844
+  _globals['_FORWARDREPLY']._serialized_start=847
+  _globals['_FORWARDREPLY']._serialized_end=1074
+  _globals['_RELAYHOP']._serialized_start=1077
+  _globals['_RELAYHOP']._serialized_end=1209
+  _globals['_RELEASEREQUEST']._serialized_start=1211
+  _globals['_RELEASEREQUEST']._serialized_end=1244
+  _globals['_RELEASEREPLY']._serialized_start=1246
+  _globals['_RELEASEREPLY']._serialized_end=1312
+  _globals['_INFOREQUEST']._serialized_start=1314
+  _globals['_INFOREQUEST']._serialized_end=1327
+  _globals['_INFOREPLY']._serialized_start=1330
+  _globals['_INFOREPLY']._serialized_end=1683
+  _globals['_STATION']._serialized_start=1686
+  _globals['_STATION']._serialized_end=1887
 # @@protoc_insertion_point(module_scope)

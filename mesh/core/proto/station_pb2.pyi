@@ -51,16 +51,18 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("entries", "token_ids", "hidden", "wave_id")
+    __slots__ = ("entries", "token_ids", "hidden", "wave_id", "relay_to")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     WAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    RELAY_TO_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[Entry]
     token_ids: TokenIds
     hidden: Tensor
     wave_id: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., wave_id: _Optional[int] = ...) -> None: ...
+    relay_to: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., wave_id: _Optional[int] = ..., relay_to: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -101,16 +103,34 @@ class KVUsage(_message.Message):
     def __init__(self, bytes_used: _Optional[int] = ..., blocks_used: _Optional[int] = ..., sequences: _Optional[int] = ..., changes: _Optional[int] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("hidden", "samples", "forward_seconds", "kv")
+    __slots__ = ("hidden", "samples", "forward_seconds", "kv", "relayed", "served_seconds")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
+    SERVED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     samples: Samples
     forward_seconds: float
     kv: KVUsage
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., samples: _Optional[_Union[Samples, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
+    relayed: _containers.RepeatedCompositeFieldContainer[RelayHop]
+    served_seconds: float
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., samples: _Optional[_Union[Samples, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ..., relayed: _Optional[_Iterable[_Union[RelayHop, _Mapping]]] = ..., served_seconds: _Optional[float] = ...) -> None: ...
+
+class RelayHop(_message.Message):
+    __slots__ = ("address", "kv", "forward_seconds", "served_seconds", "call_seconds")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    kv: KVUsage
+    forward_seconds: float
+    served_seconds: float
+    call_seconds: float
+    def __init__(self, address: _Optional[str] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., served_seconds: _Optional[float] = ..., call_seconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("seq_ids",)

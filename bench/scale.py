@@ -1,0 +1,251 @@
+"""`mesh bench scale`: does adding stations add throughput? Hub vs direct transfer (issue 13 items 2 and 4).
+
+    mesh bench scale [--stations 1,2,4,8] [--paths hub,direct] [--wave-ms 64] [--k 64] [--hidden 8192]
+                     [--tokens 32] [--real-stations 2,3] [--real-k 16,32] [--skip-sim] [--skip-real] [--quick]
+
+SIMULATED part (bench/sim_station.py): P evenly split stations, each a real gRPC server in its own process
+with the cluster token, whose step is a sleep of f * T (T = --wave-ms for the whole model at K = --k rows,
+f = its share of the layers) and whose hidden rows are the model's width in bfloat16 (1 MiB per hop at
+K=64, width 8192). Everything else is the real code: the engine's wave loop, scheduler and KV ledger in
+this process, the wire encoding and validation, relays, sampled ids coming back. K*P requests (prompt of
+one token, --tokens decode steps, ignore_eos) keep P waves of K rows in flight. Reported per P and path:
+throughput and its ratio to P=1 (target: direct >= 0.9 x P for P <= 4, >= 0.7 x P at P = 8), this process's
+CPU per wave and share of one core (the orchestrator: stations are other processes), per-hop transfer cost p50/p99 (a call's
+wall time minus the callee's own time in it: hub = orchestrator <-> station i, direct = station i-1 ->
+station i, hop 0 = orchestrator -> first station) and the Forward bytes through the orchestrator per wave.
+
+Real part: the `bench` preset over 2 and 3 real station processes (torch threads = cores // N), K concurrent
+greedy requests (prompt 32, --tokens): wall time and bytes through the orchestrator per wave, hub vs direct,
+and whether the two paths gave the same tokens. Prints the command and the load; the last line is JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sim_station import SimModel
+
+from mesh.core.config import ModelConfig, SchedulerConfig
+from mesh.core.params import SamplingParams
+from orchestrator.engine import Engine
+from orchestrator.remote import RemoteLink
+
+TOKEN = "bench-scale"
+TARGETS = {1: 0.9, 2: 0.9, 4: 0.9, 8: 0.7}  # direct throughput >= TARGETS[P] * P * (P=1's)
+log = lambda msg: print(msg, file=sys.stderr, flush=True)
+
+
+def even_split(num_layers: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous layer ranges covering [0, num_layers), sizes differing by at most one."""
+    if not 1 <= parts <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {parts} stations")
+    bounds = [round(i * num_layers / parts) for i in range(parts + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) of `values`, nearest rank; NaN for none."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def scaling_verdict(p: int, throughput: float, base: float) -> tuple[float, float, bool]:
+    """(throughput / P=1's, the target ratio for P, whether it is met); P beyond the table takes P=8's target."""
+    ratio = throughput / base
+    target = TARGETS.get(p, TARGETS[8]) * p
+    return ratio, target, ratio >= target
+
+
+class TimedLink(RemoteLink):
+    """A RemoteLink that keeps each hub call's transfer cost (wall time minus the station's own time in it)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.hop_seconds: list[float] = []
+
+    def forward(self, wave_id, entries, token_ids, hidden):
+        """Run the wave (hub path) and note the call's transfer cost."""
+        t0 = time.perf_counter()
+        reply = self._wave(lambda: self.client.relay(wave_id, entries, token_ids=token_ids, hidden=hidden))
+        self.hop_seconds.append(time.perf_counter() - t0 - reply.served_seconds)
+        return reply.output
+
+
+def start_stations(ranges, extra: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
+    """One station process per layer range (bench/sim_station.py); returns the processes and their addresses."""
+    script = Path(__file__).resolve().parent / "sim_station.py"
+    procs, addresses = [], []
+    for a, b in ranges:
+        proc = subprocess.Popen([sys.executable, str(script), "--layers", f"{a}-{b}", "--token", TOKEN, *extra],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+    try:
+        for proc in procs:
+            line = proc.stdout.readline().strip()
+            if not line:
+                raise RuntimeError(f"a station process exited before serving (rc {proc.poll()})")
+            addresses.append(line)
+    except BaseException:
+        stop_stations(procs)
+        raise
+    return procs, addresses
+
+
+def stop_stations(procs: list[subprocess.Popen]) -> None:
+    """Close their stdin (they stop serving) and reap them."""
+    for proc in procs:
+        proc.stdin.close()
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k: int) -> dict:
+    """K-per-wave requests through an engine over `addresses` on `path`; wall, CPU, bytes, hops, token ids."""
+    links = [TimedLink(a, timeout_s=120, token=TOKEN) for a in addresses]
+    sched = SchedulerConfig(max_seqs=len(prompts), max_wave_tokens=max(len(prompts), 64 * len(addresses)),
+                            max_queue=len(prompts), hidden_path=path)
+    engine = Engine(links, model, sched)
+    try:
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        streams = [engine.submit(p, params) for p in prompts]
+        outs = [s.result(timeout=900)[0].token_ids for s in streams]
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        waves = engine.stats().waves
+        pipeline = engine.pipeline
+        hops = ([list(h) for h in pipeline.hop_seconds] if pipeline.hidden_path == "direct"
+                else [link.hop_seconds for link in links])
+        through = sum(sum(link.client.forward_bytes) for link in links)
+    finally:
+        engine.close()
+        for link in links:
+            link.close()
+    flat = [s for h in hops for s in h]
+    return {"path": pipeline.hidden_path, "stations": len(addresses), "k": k, "wall_s": wall, "waves": waves,
+            "tok_s": len(prompts) * tokens / wall, "cpu_ms_per_wave": 1000 * cpu / waves,
+            "orch_core_pct": 100 * cpu / wall,
+            "wall_ms_per_wave": 1000 * wall / waves, "orch_kib_per_wave": through / waves / 1024,
+            "hop_p50_ms": 1000 * percentile(flat, 50), "hop_p99_ms": 1000 * percentile(flat, 99),
+            "hop_p50_ms_by_station": [round(1000 * percentile(h, 50), 2) for h in hops], "tokens": outs}
+
+
+def sim_model_config(sim: SimModel) -> ModelConfig:
+    """The orchestrator's view of the SIMULATED model (shape only; nothing loads it)."""
+    return ModelConfig(arch="llama", vocab_size=sim.vocab_size, hidden_size=sim.hidden_size,
+                       intermediate_size=4 * sim.hidden_size, num_hidden_layers=sim.num_layers,
+                       num_attention_heads=64, num_key_value_heads=8, head_dim=sim.hidden_size // 64,
+                       max_position_embeddings=8192)
+
+
+def simulated(args) -> list[dict]:
+    """The SIMULATED table: P stations x paths, P waves of K rows in flight."""
+    sim = SimModel(num_layers=args.num_layers, hidden_size=args.hidden, wave_s=args.wave_ms / 1000, k_rows=args.k)
+    rows, base = [], None
+    for p in args.stations:
+        procs, addresses = start_stations(even_split(sim.num_layers, p),
+                                          ["--wave-ms", str(args.wave_ms), "--hidden", str(args.hidden),
+                                           "--num-layers", str(args.num_layers), "--workers", str(2 * p + 8)])
+        try:
+            prompts = [[1 + i % 1000] for i in range(args.k * p)]
+            for path in (["hub"] if p == 1 else args.paths):
+                r = run_point(addresses, sim_model_config(sim), path, prompts, args.tokens, args.k)
+                r.pop("tokens")
+                base = base or r["tok_s"]
+                r["x_p1"], r["target_x"], r["met"] = scaling_verdict(p, r["tok_s"], base)
+                r["hop_mib"] = sim.hop_bytes(args.k) / 2**20
+                rows.append(r)
+                log(f"SIMULATED P={p} {r['path']}: {r['tok_s']:.0f} tok/s, {r['x_p1']:.2f}x P=1")
+        finally:
+            stop_stations(procs)
+    return rows
+
+
+def real(args) -> list[dict]:
+    """Hub vs direct on real compute (the `bench` preset), 2 and 3 stations, K concurrent requests."""
+    from mesh.control.cli import resolve_model
+    from mesh.control.layer_plan import plan_layers
+
+    model_dir = resolve_model(None, "tiny" if args.quick else "bench")
+    cfg = ModelConfig.from_dir(model_dir)
+    rows = []
+    for n in args.real_stations:
+        threads = max(1, (os.cpu_count() or 1) // n)
+        ranges = plan_layers(cfg.num_hidden_layers, n)
+        procs, addresses = start_stations(ranges, ["--model", str(model_dir), "--threads", str(threads)])
+        try:
+            for k in args.real_k:
+                prompts = [[1] + [(97 * i + 13 * j) % (cfg.vocab_size - 3) + 3 for j in range(31)] for i in range(k)]
+                got = {path: run_point(addresses, cfg, path, prompts, args.tokens, k) for path in args.paths}
+                same = len({json.dumps(r.pop("tokens")) for r in got.values()}) == 1
+                for r in got.values():
+                    r["tokens_identical"] = same
+                    rows.append(r)
+                log(f"real N={n} K={k}: " + ", ".join(f"{p} {r['wall_ms_per_wave']:.1f} ms/wave" for p, r in got.items()))
+        finally:
+            stop_stations(procs)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the SIMULATED table and the real hub-vs-direct table; print both and one JSON line."""
+    ints = lambda s: [int(x) for x in s.split(",")]
+    p = argparse.ArgumentParser(prog="mesh bench scale", description=__doc__.split("\n")[0])
+    p.add_argument("--stations", type=ints, default=[1, 2, 4, 8])
+    p.add_argument("--paths", type=lambda s: s.split(","), default=["hub", "direct"])
+    p.add_argument("--wave-ms", type=float, default=64.0, help="SIMULATED whole-model wave at K rows")
+    p.add_argument("--k", type=int, default=64, help="rows per wave (SIMULATED)")
+    p.add_argument("--hidden", type=int, default=8192)
+    p.add_argument("--num-layers", type=int, default=80)
+    p.add_argument("--tokens", type=int, default=32, help="decode steps per request")
+    p.add_argument("--real-stations", type=ints, default=[2, 3])
+    p.add_argument("--real-k", type=ints, default=[16, 32])
+    p.add_argument("--skip-sim", action="store_true")
+    p.add_argument("--skip-real", action="store_true")
+    p.add_argument("--quick", action="store_true", help="a smoke run: small shapes, the tiny model")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.stations, args.k, args.hidden, args.tokens, args.real_k = [1, 2], 8, 256, 4, [4]
+    print(f"command: mesh bench scale {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"load at start: {os.getloadavg()}  cores: {os.cpu_count()}")
+    sim_rows = [] if args.skip_sim else simulated(args)
+    if sim_rows:
+        print(f"\nSIMULATED GPU stations: T={args.wave_ms} ms per whole-model wave at K={args.k}, hidden {args.hidden} "
+              f"bfloat16 ({sim_rows[0]['hop_mib']:.2f} MiB per hop), {args.tokens} decode steps, P waves in flight")
+        print("| P | path | tok/s | x P=1 | target | met | orchestrator CPU ms/wave | orchestrator core % "
+              "| hop p50 ms | hop p99 ms | hop p50 by station ms | KiB through orchestrator/wave | ms/wave |")
+        print("|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---:|")
+        for r in sim_rows:
+            print(f"| {r['stations']} | {r['path']} | {r['tok_s']:.0f} | {r['x_p1']:.2f} | {r['target_x']:.1f} "
+                  f"| {'yes' if r['met'] else 'NO'} | {r['cpu_ms_per_wave']:.2f} | {r['orch_core_pct']:.0f} "
+                  f"| {r['hop_p50_ms']:.2f} "
+                  f"| {r['hop_p99_ms']:.2f} | {r['hop_p50_ms_by_station']} | {r['orch_kib_per_wave']:.1f} "
+                  f"| {r['wall_ms_per_wave']:.1f} |")
+    real_rows = [] if args.skip_real else real(args)
+    if real_rows:
+        print("\nReal compute (`bench` preset), hub vs direct, prompt 32, greedy")
+        print("| stations | K | path | ms/wave | KiB through orchestrator/wave | orchestrator CPU ms/wave "
+              "| hop p50 ms | tokens identical |")
+        print("|---:|---:|---|---:|---:|---:|---:|---|")
+        for r in real_rows:
+            print(f"| {r['stations']} | {r['k']} | {r['path']} | {r['wall_ms_per_wave']:.1f} "
+                  f"| {r['orch_kib_per_wave']:.1f} | {r['cpu_ms_per_wave']:.2f} | {r['hop_p50_ms']:.2f} "
+                  f"| {r['tokens_identical']} |")
+    print(f"load at end: {os.getloadavg()}")
+    print(json.dumps({"simulated": sim_rows, "real": real_rows, "load_end": os.getloadavg()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""SIMULATED GPU-speed station for `mesh bench scale` (issue 13 item 4): a benchmark mode, never a serving mode.
+
+A SimulatedStation stands where station.step.Station stands behind the real gRPC server (station/server.py):
+the wire, the token check, decode and validation of real-size payloads, relays and the KV reports are the
+real code. Only the step is modelled: a station holding a fraction f of the layers sleeps f * T * max(1, rows /
+K) (T: the whole model's wave at K rows), returns hidden rows of the model's width and dtype, and the last
+station returns one sampled id per entry (a fixed function of sequence and position). Its KV bookkeeping
+checks every entry's start position against what it holds, as a real station does.
+
+Only this file (bench/) builds one; nothing in the YAML or the serving CLI can. Each station runs in its own
+process (`python bench/sim_station.py ...`), prints its address on one line, and serves until stdin closes.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from mesh.core.config import StationSpec
+from mesh.core.wave import KVUsage, SampledToken, StationOutput, WaveEntry, wave_rows
+from station.kv import KVStats
+from station.step import StationStats, StepError
+
+BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SimModel:
+    """The SIMULATED model: layers, width, vocabulary, and the whole model's wave time `wave_s` at `k_rows` rows."""
+
+    num_layers: int = 80
+    hidden_size: int = 8192
+    vocab_size: int = 128256
+    dtype: str = "bfloat16"
+    wave_s: float = 0.064
+    k_rows: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "vocab_size", "k_rows"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0):
+                raise ValueError(f"SimModel.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not (self.wave_s >= 0 and math.isfinite(self.wave_s)):
+            raise ValueError(f"SimModel.wave_s must be a finite number >= 0, got {self.wave_s!r}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"SimModel.dtype: {self.dtype!r} is not a hidden-row dtype")
+
+    def station_seconds(self, layers: int, rows: int) -> float:
+        """The modelled step of a station holding `layers` layers on a wave of `rows` rows."""
+        return self.wave_s * layers / self.num_layers * max(1.0, rows / self.k_rows)
+
+    def hop_bytes(self, rows: int) -> int:
+        """Hidden-row bytes of one hop for a wave of `rows` rows."""
+        return rows * self.hidden_size * torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+
+
+class SimulatedStation:
+    """What the gRPC servicer needs of a station, with the step replaced by a sleep (SIMULATED)."""
+
+    def __init__(self, model: SimModel, layers: tuple[int, int], kv_blocks: int = 1 << 20) -> None:
+        self.sim = model
+        self.spec = StationSpec(layers=layers, dtype=model.dtype)
+        self.config = SimpleNamespace(hidden_size=model.hidden_size, vocab_size=model.vocab_size,
+                                      num_hidden_layers=model.num_layers)
+        self.model_dir = Path(f"SIMULATED-{model.num_layers}L-{model.hidden_size}")
+        self.prefill_chunk_invariant = False  # no prefix cache over a simulation: every prompt is computed
+        self._dtype = getattr(torch, model.dtype)
+        self._rows = torch.zeros(0, model.hidden_size, dtype=self._dtype)  # [R, d], grown on demand
+        self._lengths: dict[int, int] = {}
+        self._kv_blocks = kv_blocks
+        self._changes = self._forwards = self._row_count = 0
+        self._seconds = 0.0
+        self._lock = threading.Lock()
+
+    def forward(self, entries: tuple[WaveEntry, ...], token_ids=None, hidden=None) -> StationOutput:
+        """Check positions, sleep the modelled step, return rows (or, at the last station, one id per entry)."""
+        rows = wave_rows(entries)
+        for e in entries:
+            held = self._lengths.get(e.seq_id, 0)
+            if e.start_pos != held:
+                raise StepError(f"seq {e.seq_id}: start_pos {e.start_pos} but the station holds {held} positions")
+        seconds = self.sim.station_seconds(self.spec.end - self.spec.start, rows)
+        time.sleep(seconds)
+        for e in entries:
+            self._lengths[e.seq_id] = e.start_pos + e.n_tokens
+        self._changes += 1
+        self._forwards += 1
+        self._row_count += rows
+        self._seconds += seconds
+        if self.spec.end < self.sim.num_layers:
+            if self._rows.shape[0] < rows:
+                self._rows = torch.full((rows, self.sim.hidden_size), 0.5, dtype=self._dtype)
+            return StationOutput(self._rows[:rows], None, seconds)  # [T, d]
+        samples = [SampledToken((e.seq_id * 7919 + e.start_pos) % self.sim.vocab_size) if e.sample else None
+                   for e in entries]
+        return StationOutput(None, samples, seconds)
+
+    def release(self, seq_ids) -> int:
+        """Forget these sequences' positions."""
+        released = sum(self._lengths.pop(s, None) is not None for s in seq_ids)
+        self._changes += 1
+        return released
+
+    def kv_usage(self) -> KVUsage:
+        """Blocks the held positions would take (no memory behind them)."""
+        blocks = sum(-(-n // BLOCK_TOKENS) for n in self._lengths.values())
+        return KVUsage(blocks * 1024, blocks, len(self._lengths), self._changes)
+
+    def stats(self) -> StationStats:
+        """Counters and the modelled KV."""
+        u = self.kv_usage()
+        kv = KVStats(u.bytes_used, self._kv_blocks * 1024, u.blocks_used, self._kv_blocks, BLOCK_TOKENS, u.sequences)
+        return StationStats(self.spec.layers, self._forwards, self._row_count, 0.0, self._seconds, kv)
+
+    def probe(self) -> None:
+        """Nothing to prove: the simulated step cannot fail."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve one SIMULATED station (or, with --model, a real one) until stdin closes; print its address first."""
+    p = argparse.ArgumentParser(description="one SIMULATED station server for bench/scale.py")
+    p.add_argument("--layers", required=True, help="A-B")
+    p.add_argument("--token", required=True)
+    p.add_argument("--workers", type=int, default=24)
+    p.add_argument("--wave-ms", type=float, default=64.0)
+    p.add_argument("--hidden", type=int, default=8192)
+    p.add_argument("--num-layers", type=int, default=80)
+    p.add_argument("--model", help="real compute: a checkpoint dir (the station loads it), not a simulation")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of a real station")
+    args = p.parse_args(argv)
+    from mesh.core.compute import on_compute_thread
+    from station.server import ServerLimits, start_server
+
+    a, b = (int(x) for x in args.layers.split("-"))
+    if args.model:
+        from station.step import Station
+
+        on_compute_thread(torch.set_num_threads, args.threads)
+        station = Station(args.model, StationSpec(layers=(a, b)))
+    else:
+        station = SimulatedStation(SimModel(num_layers=args.num_layers, hidden_size=args.hidden,
+                                            wave_s=args.wave_ms / 1000), (a, b))
+    limits = ServerLimits(max_workers=args.workers, max_pending=args.workers // 2)
+    server = start_server(station, limits=limits, token=args.token)
+    print(server.address, flush=True)
+    sys.stdin.read()  # serve until the benchmark closes our stdin (or dies)
+    server.stop(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Direct transfer: a station sends its hidden rows straight to the next station (station.proto's `relay_to`).
+
+The orchestrator calls the first station with the addresses of the others; each station runs its step,
+calls its successor with its output and the rest of the list, and replies with what came back: the
+last station's samples and one RelayHop (KV occupancy, timings) per station after it. Only token ids go
+out of the orchestrator and only samples come back to it.
+
+Why a nested call and not a push with the wave id: the orchestrator keeps ONE call per wave, so it
+still plans every wave, owns its deadline (each station gives its successor the time left of the call it
+serves, `context.time_remaining()`) and sees every failure on that call. A successor that cannot be
+reached fails the call with the successor's own status (UNAVAILABLE for a dead station, the deadline
+for a hung one), which the orchestrator treats exactly as a dead first station: recovery and replay are
+unchanged. A push would have the orchestrator serve a callback endpoint, match late results to waves and
+time each wave out itself, with failures arriving on another connection than the one that sent the
+wave. What the nested call costs: a relaying station holds one gRPC worker thread per wave in flight
+while the stations after it run (not the station lock: its next wave computes meanwhile), and the
+samples travel back through every station (a few bytes per entry).
+
+Calls to a successor carry this station's cluster token and mutual-TLS certificate, the same
+credentials the orchestrator's calls carry, so every hop is authenticated. Only callers holding the
+token can name a successor, so a station dials no address a stranger chose.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import grpc
+
+from mesh.core.proto import station_pb2 as pb
+from mesh.core.proto import station_pb2_grpc
+from mesh.core.transport import StationTls, bearer_metadata
+from mesh.core.wave import StationOutput
+from mesh.core.wire import tensor_to_proto
+from station.client import station_channel
+
+
+class RelayError(RuntimeError):
+    """The call to a successor failed; `code` is its gRPC status, handed on to this station's caller."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Successors:
+    """Channels to the stations this one relays to (one per address, the least recently used closed beyond
+    `max_channels`), with this station's own token and TLS material."""
+
+    def __init__(self, token: str | None, tls: StationTls | None, max_message_bytes: int,
+                 default_timeout_s: float = 30.0, max_channels: int = 16) -> None:
+        self._metadata = bearer_metadata(token)
+        self._tls = tls
+        self._max_message_bytes = max_message_bytes
+        self._default_timeout_s = default_timeout_s
+        self._max_channels = max_channels
+        self._stubs: OrderedDict[str, tuple[grpc.Channel, station_pb2_grpc.StationStub]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _stub(self, address: str) -> station_pb2_grpc.StationStub:
+        with self._lock:
+            if address in self._stubs:
+                self._stubs.move_to_end(address)
+                return self._stubs[address][1]
+            channel = station_channel(address, self._max_message_bytes, self._tls)
+            self._stubs[address] = (channel, station_pb2_grpc.StationStub(channel))
+            while len(self._stubs) > self._max_channels:
+                self._stubs.popitem(last=False)[1][0].close()
+            return self._stubs[address][1]
+
+    def relay(self, request: pb.ForwardRequest, relay_to: tuple[str, ...], out: StationOutput, kv: pb.KVUsage,
+              time_left_s: float | None, count_wire: Callable[[str, int], None]) -> pb.ForwardReply:
+        """Send `out.hidden` for `request`'s wave to relay_to[0] (with the rest of the list) within `time_left_s`
+        (None: the caller set no deadline, use the default), and build this station's reply from the answer.
+        `count_wire(direction, bytes)` is told what went out to the successor and what came back."""
+        if out.hidden is None:
+            raise RelayError(grpc.StatusCode.INVALID_ARGUMENT,
+                             "relay_to: this station samples (it holds the last layer); there is nothing to relay")
+        successor = relay_to[0]
+        onward = pb.ForwardRequest(wave_id=request.wave_id, entries=request.entries,
+                                   hidden=tensor_to_proto(out.hidden), relay_to=relay_to[1:])
+        timeout = self._default_timeout_s if time_left_s is None else max(0.0, time_left_s)
+        count_wire("out", onward.ByteSize())
+        t0 = time.perf_counter()
+        try:
+            answer = self._stub(successor).Forward(onward, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise RelayError(err.code(), f"relay to {successor}: {err.details() or err.code().name}") from None
+        except ValueError as err:  # the channel was closed under us (evicted)
+            raise RelayError(grpc.StatusCode.UNAVAILABLE, f"relay to {successor}: {err}") from None
+        count_wire("in", answer.ByteSize())
+        hop = pb.RelayHop(address=successor, kv=answer.kv, forward_seconds=answer.forward_seconds,
+                          served_seconds=answer.served_seconds, call_seconds=time.perf_counter() - t0)
+        reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv, relayed=[hop, *answer.relayed])
+        result = answer.WhichOneof("result")
+        if result == "samples":
+            reply.samples.CopyFrom(answer.samples)
+        elif result == "hidden":  # a relay list that stops short of the last station: its rows come back
+            reply.hidden.CopyFrom(answer.hidden)
+        else:
+            raise RelayError(grpc.StatusCode.INTERNAL, f"relay to {successor}: the reply carries no result")
+        return reply
+
+    def close(self) -> None:
+        """Close every channel."""
+        with self._lock:
+            for channel, _ in self._stubs.values():
+                channel.close()
+            self._stubs.clear()

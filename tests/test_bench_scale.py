@@ -1,0 +1,65 @@
+"""bench/scale.py's arithmetic and its SIMULATED station (no timed assertions): layer splits, percentiles, the
+scaling targets, the modelled step and payload, and a simulated chain driven by the real engine over gRPC."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import scale
+from sim_station import SimModel, SimulatedStation
+
+from mesh.core.wave import WaveEntry
+from station.server import start_server
+from station.step import StepError
+
+
+def test_even_split_covers_every_layer_once():
+    assert scale.even_split(80, 1) == [(0, 80)]
+    assert scale.even_split(80, 8) == [(i * 10, i * 10 + 10) for i in range(8)]
+    assert scale.even_split(10, 3) == [(0, 3), (3, 7), (7, 10)]
+    with pytest.raises(ValueError, match="cannot split 4 layers into 5"):
+        scale.even_split(4, 5)
+
+
+def test_percentile_and_targets():
+    values = [float(v) for v in range(1, 101)]
+    assert (scale.percentile(values, 50), scale.percentile(values, 99), scale.percentile(values, 100)) == (50, 99, 100)
+    assert scale.percentile([3.0], 99) == 3.0 and math.isnan(scale.percentile([], 50))
+    assert scale.scaling_verdict(4, 3700, 1000) == (3.7, 3.6, True)
+    ratio, target, met = scale.scaling_verdict(8, 5000, 1000)
+    assert (ratio, round(target, 6), met) == (5.0, 5.6, False)
+
+
+def test_sim_model_defaults_are_the_issue_figures():
+    sim = SimModel()
+    assert sim.hop_bytes(64) == 2**20  # 64 rows x 8192 x bfloat16 = 1 MiB per hop
+    assert sim.station_seconds(80, 64) == pytest.approx(0.064)
+    assert sim.station_seconds(10, 64) == pytest.approx(0.008)  # a station holding 1/8 of the layers
+    assert sim.station_seconds(10, 128) == pytest.approx(0.016)  # a wave twice as tall
+    with pytest.raises(ValueError, match="wave_s"):
+        SimModel(wave_s=float("nan"))
+
+
+def test_simulated_chain_serves_through_the_real_engine():
+    """Two SIMULATED stations behind real gRPC servers: the engine relays every wave, the sampled ids come back
+    (the same on both paths), the station refuses an entry at a position it does not hold, and the KV empties."""
+    sim = SimModel(num_layers=4, hidden_size=128, vocab_size=1000, wave_s=0.0, k_rows=4)
+    stations = [SimulatedStation(sim, r) for r in ((0, 2), (2, 4))]
+    with pytest.raises(StepError, match="start_pos 3 but the station holds 0"):
+        stations[0].forward((WaveEntry(1, 3, 1),))
+    servers = [start_server(st, token=scale.TOKEN) for st in stations]
+    try:
+        prompts = [[5 + i] for i in range(8)]
+        got = {path: scale.run_point([s.address for s in servers], scale.sim_model_config(sim), path, prompts, 3, 4)
+               for path in ("hub", "direct")}
+        assert got["hub"]["tokens"] == got["direct"]["tokens"]
+        assert got["direct"]["path"] == "direct" and got["hub"]["path"] == "hub"
+        assert got["direct"]["orch_kib_per_wave"] < got["hub"]["orch_kib_per_wave"]
+        assert all(st.kv_usage().sequences == 0 for st in stations)
+    finally:
+        for s in servers:
+            s.stop(0)

@@ -1,0 +1,172 @@
+"""Direct transfer (issue 13 item 2): hidden rows go station to station, only token ids leave the orchestrator and
+only samples come back; tokens equal the hub path's and one station's; every hop carries the token and mTLS; a
+station that cannot reach its successor fails the wave as a dead station does."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from mesh.core.config import ConfigError, ModelConfig, SchedulerConfig, StationSpec
+from mesh.core.params import SamplingParams
+from mesh.core.proto import station_pb2 as pb
+from mesh.core.transport import StationTls
+from mesh.core.wave import WaveEntry
+from mesh.core.wire import WireError, decode_relay
+from orchestrator.engine import Engine
+from orchestrator.pipeline import StationDown
+from orchestrator.relay import RelayPipeline
+from orchestrator.remote import RemoteLink
+from station.client import StationCallError
+from station.generate import generate_one
+from station.server import start_server
+from station.step import Station
+
+from test_station_auth import _pki
+
+TOKEN = "relay-token"
+CHAINS = {2: ((0, 2), (2, 6)), 3: ((0, 1), (1, 4), (4, 6))}
+
+
+def _jobs(n=8, max_tokens=10):
+    prompts = [[1] + [(37 * i + 11 * j) % 500 + 5 for j in range(2 + (7 * i) % 20)] for i in range(n)]
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0 if i % 2 == 0 else 0.9,
+                             seed=700 + i) for i in range(n)]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """Greedy and seeded requests, each alone on one full-model station."""
+    prompts, params = _jobs()
+    st = Station(tiny_llama, StationSpec(layers=(0, 6)))
+    return prompts, params, [generate_one(st, p, sp)[0] for p, sp in zip(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def pki_files(tmp_path_factory):
+    """The CA, station (serving) and orchestrator (client) certificates of test_station_auth."""
+    return _pki(tmp_path_factory.mktemp("relay-pki"))
+
+
+@pytest.fixture(scope="module")
+def chains(tiny_llama):
+    """gRPC stations with the cluster token for the 2- and 3-station chains (shared by the tests of this file)."""
+    servers = {n: [start_server(Station(tiny_llama, StationSpec(layers=r)), token=TOKEN) for r in ranges]
+               for n, ranges in CHAINS.items()}
+    yield servers
+    for chain in servers.values():
+        for server in chain:
+            server.stop(0)
+
+
+def _run(model_dir, servers, hidden_path, prompts, params, tls=None):
+    links = [RemoteLink(s.address, timeout_s=30, token=TOKEN, tls=tls) for s in servers]
+    engine = Engine(links, ModelConfig.from_dir(model_dir),
+                    SchedulerConfig(max_seqs=8, max_wave_tokens=64, hidden_path=hidden_path))
+    try:
+        streams = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        tokens = [s.result(timeout=120)[0].token_ids for s in streams]
+        assert engine.quiesce(30) and engine.stats().kv_bytes_used == 0
+        assert all(s.servicer.station.kv.stats().blocks_used == 0 for s in servers)
+        return tokens, engine.pipeline, [list(link.client.forward_bytes) for link in links]
+    finally:
+        engine.close()
+        for link in links:
+            link.close()
+
+
+@pytest.mark.parametrize("n", sorted(CHAINS))
+def test_direct_equals_hub_and_one_station(tiny_llama, reference, chains, n):
+    prompts, params, ref = reference
+    sent_before = chains[n][0].servicer.wire_bytes["out"]
+    direct, pipeline, direct_bytes = _run(tiny_llama, chains[n], "direct", prompts, params)
+    relayed = chains[n][0].servicer.wire_bytes["out"] - sent_before  # the station's /metrics count its relays
+    hub, hub_pipeline, hub_bytes = _run(tiny_llama, chains[n], "hub", prompts, params)
+    assert isinstance(pipeline, RelayPipeline) and hub_pipeline.hidden_path == "hub"
+    assert direct == hub == ref
+    # direct: the orchestrator called the first station only, and no hidden row came back to it
+    assert direct_bytes[1:] == [[0, 0]] * (n - 1) and hub_bytes[1][0] > 0
+    hidden_row = ModelConfig.from_dir(tiny_llama).hidden_size * 4
+    rows = sum(len(p) + sp.max_tokens - 1 for p, sp in zip(prompts, params))
+    assert direct_bytes[0][1] < rows * hidden_row / 4 < sum(b[0] for b in hub_bytes)
+    assert relayed > rows * hidden_row
+    assert all(len(h) > 0 for h in pipeline.hop_seconds)  # every station's hop was reported back
+
+
+def test_every_hop_carries_the_token_and_mtls(tiny_llama, reference, pki_files):
+    """Stations with mTLS (station certs for serving, the orchestrator's client cert for relaying) and the token:
+    tokens as one station's; a relay without the client certificate is refused, not sent in the clear."""
+    prompts, params, ref = reference
+    serve = StationTls.from_files(pki_files["station.crt"], pki_files["station.key"], pki_files["ca.crt"])
+    client = StationTls.from_files(pki_files["orchestrator.crt"], pki_files["orchestrator.key"], pki_files["ca.crt"])
+    servers = [start_server(Station(tiny_llama, StationSpec(layers=r)), token=TOKEN, tls=serve, relay_tls=client)
+               for r in CHAINS[2]]
+    try:
+        tokens, pipeline, _ = _run(tiny_llama, servers, "direct", prompts[:2], params[:2], tls=client)
+        assert isinstance(pipeline, RelayPipeline) and tokens == ref[:2]
+    finally:
+        for s in servers:
+            s.stop(0)
+    servers = [start_server(Station(tiny_llama, StationSpec(layers=r)), token=TOKEN, tls=serve)  # relays as a server
+               for r in CHAINS[2]]
+    link = RemoteLink(servers[0].address, timeout_s=10, token=TOKEN, tls=client)
+    try:
+        with pytest.raises(StationDown, match="relay to"):
+            link.relay(1, (WaveEntry(1, 0, 2, SamplingParams()),), [4, 5], [_Addr(servers[1].address)])
+    finally:
+        link.close()
+        for s in servers:
+            s.stop(0)
+
+
+class _Addr:
+    """A successor known by its address only (what relay() reads of it), without a connection of its own."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.client = self
+
+    def note_kv(self, kv) -> None:
+        """Nothing to keep."""
+
+
+def test_unreachable_successor_fails_the_wave_as_a_dead_station(tiny_llama, chains):
+    """The first station answers, its successor is gone: the call fails with UNAVAILABLE (StationDown, replayed by
+    recovery); a relay list naming nobody valid, or asked of the last station, is refused as a bad wave."""
+    first = RemoteLink(chains[2][0].address, timeout_s=10, token=TOKEN)
+    dead = start_server(Station(tiny_llama, StationSpec(layers=(2, 6))), token=TOKEN)
+    dead_address = dead.address
+    dead.stop(0)
+    entry = WaveEntry(42, 0, 3, SamplingParams())
+    try:
+        with pytest.raises(StationDown, match=f"relay to {dead_address}") as down:
+            first.relay(1, (entry,), [4, 5, 6], [_Addr(dead_address)])
+        assert down.value.__cause__.code == grpc.StatusCode.UNAVAILABLE
+        first.release((42,))
+        last = RemoteLink(chains[2][1].address, timeout_s=10, token=TOKEN)
+        with pytest.raises(StationCallError, match="cannot relay") as refused:
+            last.client.relay(2, (entry,), hidden=_rows(3), relay_to=[chains[2][0].address])
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        last.close()
+        with pytest.raises(StationCallError, match=r"relay_to\[0\]: 'nowhere'") as refused:
+            first.client.relay(3, (entry,), token_ids=[4, 5, 6], relay_to=["nowhere"])
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert chains[2][0].servicer.station.kv.stats().blocks_used == 0  # refused before the step
+    finally:
+        first.close()
+
+
+def _rows(n):
+    import torch
+
+    return torch.zeros(n, 64)
+
+
+def test_relay_list_and_config_are_validated():
+    with pytest.raises(WireError, match=r"relay_to\[1\]"):
+        decode_relay(pb.ForwardRequest(relay_to=["127.0.0.1:5", "host:port"]))
+    with pytest.raises(WireError, match="relay_to: 65 stations"):
+        decode_relay(pb.ForwardRequest(relay_to=["h:1"] * 65))
+    assert decode_relay(pb.ForwardRequest(relay_to=["[::1]:7", "a.b:8"])) == ("[::1]:7", "a.b:8")
+    with pytest.raises(ConfigError, match="scheduler.hidden_path must be one of"):
+        SchedulerConfig(hidden_path="sideways")
