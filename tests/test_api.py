@@ -392,3 +392,21 @@ def test_request_record_feeds_histograms():
     assert {s.name: s.value for s in fams["wavemesh_inter_token_latency_seconds"].samples}[
         "wavemesh_inter_token_latency_seconds_count"] == 2
     assert {s.name: s.value for s in fams["wavemesh_wave_tokens"].samples}["wavemesh_wave_tokens_sum"] == 12
+
+
+def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(client, url):
+    """A prompt whose first full blocks another request computed reports them as cached, plain and streamed."""
+    prompt = [7] + [(17 * j) % 400 + 11 for j in range(39)]  # 40 tokens: 2 full blocks of 16 can be reused
+    ask = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    first = client.completions.create(**ask)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(**ask)
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    assert again.choices[0].text == first.choices[0].text
+    streamed = [c.usage for c in client.completions.create(stream=True, stream_options={"include_usage": True}, **ask)
+                if c.usage is not None]
+    assert streamed[-1].prompt_tokens_details.cached_tokens == 32
+    status = httpx.get(url + "/v1/status", timeout=T).json()["engine"]
+    assert status["prefix_cache"] and status["prefix_cache_hits"] >= 64
+    metrics = httpx.get(url + "/metrics", timeout=T).text
+    assert "wavemesh_prefix_cache_hits_total" in metrics and "wavemesh_prefix_cache_blocks" in metrics

@@ -31,8 +31,11 @@ STATION_CLASS = "StationActor"
 def two_nodes():
     """A head node with 2 CPUs and `wm_node_a`, a worker node with 2 CPUs and `wm_node_b`, both on loopback."""
     tmp = f"/tmp/wmp-{os.getpid()}"  # short: Ray's socket paths must stay under 107 bytes
-    saved = os.environ.get("RAY_TMPDIR")
+    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_AUTH_MODE")}
     os.environ["RAY_TMPDIR"] = tmp  # the cluster's session and its `ray_current_cluster` file stay in here
+    # as `mesh up` below runs: an earlier in-process ray.init turns token auth on in this process's environment
+    # when ~/.ray/auth_token exists, and a cluster started so refuses the unauthenticated `mesh up`
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     try:
         with loopback_node():
             cluster = Cluster(initialize_head=True, head_node_args=dict(
@@ -43,10 +46,11 @@ def two_nodes():
                 cluster.shutdown()
                 raise
     finally:
-        if saved is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     try:
         yield SimpleNamespace(cluster=cluster, address=cluster.address, tmp=tmp,
                               node_a=cluster.head_node.node_id, node_b=worker.node_id)

@@ -45,7 +45,7 @@ def test_page_route_and_query_key(tiny_llama, api_key):
             page = client.get("/", params={"key": KEY} if api_key else None)
             assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
             for hook in ('id="busy-lanes"', 'id="queue-depth"', 'id="waves-in-flight"', 'id="tokens-per-s"',
-                         'id="peak-tokens-per-s"', 'id="route"', "v1/status"):
+                         'id="peak-tokens-per-s"', 'id="route"', 'id="prefix-hit-rate"', "v1/status"):
                 assert hook in page.text, hook
             assert not re.search(r"<(script|link)[^>]+(src|href)=\"(https?:)?//", page.text), "no CDN"
             if api_key:
@@ -186,6 +186,7 @@ def test_page_in_chromium_shows_the_route_and_busy_lanes(mesh_up):
     assert int(busy.values["busy-lanes"]) > int(idle.values["busy-lanes"]), busy.values
     assert float(busy.values["peak-tokens-per-s"]) >= float(busy.values["tokens-per-s"]) > 0
     assert int(busy.values["waves-in-flight"]) >= 0 and len(busy.stations) == 2
+    assert "% of" in busy.values["prefix-hit-rate"], busy.values["prefix-hit-rate"]  # prompts were looked up
     deadline = time.monotonic() + 60  # the closed streams were cancelled: their lanes free up
     while mesh_up.client.get("/v1/status").json()["engine"]["running"]:
         assert time.monotonic() < deadline, "cancelled streams kept running"
