@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                              "gap_ratio": max(across) / median, "switch_call_s": call_s,
                              "engine_pause_s": (engine.stats().route_switch_pauses or (None,))[-1],
                              "live_context_tokens": sum(a.context + sum(x < t0 for x in t) for t in times)})
-        for s in streams:
-            s.result(timeout=600)
+        for t in threads:  # each follower reads its stream to the end (the stream's one consumer)
+            t.join(timeout=600)
     finally:
         engine.close()
     print(f"\nSWITCH (pause-and-re-prefill) {a.streams} streams x {a.context}-token contexts, model {model_dir.name}")

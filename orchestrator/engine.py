@@ -155,12 +155,12 @@ class Engine:
         route; then every live sequence is re-prefilled on the new one (counter-based sampling keeps
         its tokens unchanged) and the old stations release their KV. Streams only pause."""
         self.route.begin_switch()  # raises IllegalTransition when closed or already switching
-        with self._lock:
-            self.switch_pauses.begin()
         try:
             if not self._wait_idle(timeout):
                 raise TimeoutError(f"waves still in flight after {timeout}s; route not switched")
             self._swap(links)
+            with self._lock:  # from here every live stream waits for a token of the new route
+                self.switch_pauses.begin()
         finally:
             self.route.end_switch()
             self._inbox.put(_WAKE)

@@ -1,7 +1,8 @@
 """How long a route switch held the live streams: per switch, the longest wait of any stream for its next token.
 
-A stream's wait is the time from its last token before the switch began to its first token after it; the
-switch's pause is the longest such wait over the streams that were decoding when it began (a stream that ends
+A stream's wait is the time from its last token on the old route to its first token on the new one (the engine
+marks the switch once the route is swapped, when the waves in flight have delivered their tokens); the switch's
+pause is the longest such wait over the streams that were decoding (a stream that ends
 without another token drops out). Pure Python: the engine feeds it tokens and switch boundaries.
 """
 from __future__ import annotations
