@@ -270,9 +270,10 @@ class Station:
         for e in entries:
             for block in e.blocks[e.start_pos // bt:]:
                 writer[block] = e.seq_id
+        written = set(writer)  # one C-level intersection per entry, not a Python loop over every table
         for i, e in enumerate(entries):
-            for block in e.blocks:
-                if writer.get(block, e.seq_id) != e.seq_id:
+            for block in written.intersection(e.blocks):
+                if writer[block] != e.seq_id:
                     raise StepError(f"entries[{i}].blocks: block {block} is written by seq_id {writer[block]} "
                                     f"in this wave and read by seq_id {e.seq_id}")
 
