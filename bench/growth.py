@@ -1,16 +1,23 @@
 """Growth while decoding: how long `mesh scale` 1 -> 2 -> 1 holds live streams (issue 14's measure).
 
-    mesh bench growth [--model DIR] [--streams 16] [--context 1000] [--tokens-between 24] [--quick]
+    mesh bench growth [--model DIR] [--streams 16] [--context 1000] [--tokens-between 24]
+                      [--modes catchup,pause] [--catchup-wave-tokens 128] [--quick]
 
-N greedy streams (prompt --context random ids, ignore_eos) decode on an Engine over one in-process full-model
-station; once every stream has --tokens-between tokens the route switches to two stations (the layers split in
-half, loaded beside), then after as many more tokens back to one. Each stream's tokens are timestamped as they
-arrive. Per switch: the longest gap between two tokens of any stream across the switch, the engine's own pause
-figure (wavemesh_route_switch_pause_seconds: the longest wait of a stream for its next token), the median gap of
-the tokens before the switch, the switch call's duration, and longest gap / median gap (issue 14's target: at
-most 3x). The switch today is pause-and-re-prefill: planning stops, the pipeline empties and every live
-sequence is prefilled again on the new route before any stream sees its next token. In-process stations share
-this machine's cores (a measure of the pause, not of a scaled-out speed). The last line is one JSON object.
+For each mode in --modes (alternating, one full run each): N greedy streams (prompt --context random ids,
+ignore_eos) decode on an Engine over one in-process full-model station; once every stream has --tokens-between
+tokens the route switches to two stations (the layers split in half, loaded beside), then after as many more
+tokens back to one; after as many more the streams are cancelled. Each stream's tokens are timestamped as they
+arrive. Per switch: the longest gap between two tokens of any stream while the switch ran (from the call to the
+first token of every stream on the new route: catch-up included), the gap across the swap itself, the engine's
+own figure (wavemesh_route_switch_pause_seconds: the longest wait of a stream for its first token on the new
+route), the median gap before the switch, the catch-up time, and longest gap / median gap (issue 14's target:
+at most 3x).
+
+Modes: `catchup` is make before break (the new stations build every live sequence's KV while the old route
+decodes, then the route switches with a short chunk per sequence left); `pause` is pause-and-re-prefill (planning
+stops, the pipeline empties and every live sequence is prefilled again on the new route). In-process stations
+share this machine's cores: during a catch-up both routes compute on the same two cores (a measure of the pause,
+not of a scaled-out speed). The last line is one JSON object.
 """
 from __future__ import annotations
 
@@ -41,27 +48,18 @@ def _wait_tokens(times: list[list[float]], n: int, timeout: float) -> None:
         time.sleep(0.01)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run 1 -> 2 -> 1 under decoding streams and print the pause of each switch."""
-    p = argparse.ArgumentParser(prog="mesh bench growth", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="HF checkpoint dir or .gguf file (default: the built-in `bench` preset)")
-    p.add_argument("--streams", type=int, default=16)
-    p.add_argument("--context", type=int, default=1000)
-    p.add_argument("--tokens-between", type=int, default=24, help="tokens each stream decodes between switches")
-    p.add_argument("--max-wave-tokens", type=int, default=512)
-    p.add_argument("--quick", action="store_true", help="4 streams of 64 tokens, 6 tokens between switches")
-    a = p.parse_args(argv)
-    if a.quick:
-        a.streams, a.context, a.tokens_between = 4, 64, 6
-    model_dir = resolve_model(a.model, "bench")
-    cfg = ModelConfig.from_dir(model_dir)
+def run_mode(mode: str, a, model_dir, cfg: ModelConfig) -> list[dict]:
+    """One 1 -> 2 -> 1 run in `mode`; one dict per switch."""
     layers, half = cfg.num_hidden_layers, cfg.num_hidden_layers // 2
-    kv = (a.context + 4 * a.tokens_between) * a.streams * 2 * layers * cfg.num_key_value_heads * cfg.head_dim * 4 * 2
+    budget = 2 * a.context + 8 * a.tokens_between
+    kv = budget * a.streams * 2 * layers * cfg.num_key_value_heads * cfg.head_dim * 4
     one = [LocalLink(Station(model_dir, StationSpec(layers=(0, layers), kv_bytes=kv)))]
-    engine = Engine(one, cfg, SchedulerConfig(max_seqs=a.streams, max_wave_tokens=a.max_wave_tokens), None)
+    sched = SchedulerConfig(max_seqs=a.streams, max_wave_tokens=a.max_wave_tokens, route_switch=mode,
+                            catchup_wave_tokens=a.catchup_wave_tokens)
+    engine = Engine(one, cfg, sched, None)
     rng = random.Random(3)
     times: list[list[float]] = [[] for _ in range(a.streams)]
-    params = SamplingParams(max_tokens=6 * a.tokens_between + 16, ignore_eos=True)
+    params = SamplingParams(max_tokens=budget - a.context, ignore_eos=True)
     streams = [engine.submit([rng.randrange(3, cfg.vocab_size) for _ in range(a.context)], params)
                for _ in range(a.streams)]
 
@@ -75,45 +73,70 @@ def main(argv: list[str] | None = None) -> int:
         t.start()
     switches = []
     try:
-        for step, ranges in enumerate((((0, half), (half, layers)), ((0, layers),))):
-            _wait_tokens(times, (step + 1) * a.tokens_between, 600)
+        for ranges in (((0, half), (half, layers)), ((0, layers),)):
+            _wait_tokens(times, min(len(t) for t in times) + a.tokens_between, 900)
             links = [LocalLink(Station(model_dir, StationSpec(layers=r, kv_bytes=kv))) for r in ranges]
             t0 = time.monotonic()
-            engine.switch_route(links)
+            report = engine.switch_route(links, timeout=900)
             t_end = time.monotonic()
-            call_s = t_end - t0
-            deadline = t_end + 600
-            while not all(any(x >= t_end for x in t) for t in times) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            across, gaps_before = [], []
+            _wait_tokens(times, max(sum(x < t_end for x in t) for t in times) + 1, 900)  # all moved on
+            during, across, before = [], [], []
             for t in times:
+                gaps = list(zip(t, t[1:]))
+                during += [y - x for x, y in gaps if y > t0 and x < t_end]
                 last = max(i for i, x in enumerate(t) if x < t_end)
                 across.append(t[last + 1] - t[last])
-                window = t[max(0, last - a.tokens_between // 2):last + 1]
-                gaps_before += [y - x for x, y in zip(window, window[1:]) if y <= t0]
-            median = statistics.median(gaps_before)
-            switches.append({"to_stations": len(ranges), "longest_gap_s": max(across), "median_gap_before_s": median,
-                             "gap_ratio": max(across) / median, "switch_call_s": call_s,
+                before += [y - x for x, y in gaps if y <= t0][-max(1, a.tokens_between // 2):]
+            median = statistics.median(before)
+            longest = max(during + across)
+            switches.append({"mode": report.mode, "to_stations": len(ranges), "longest_gap_s": longest,
+                             "gap_across_swap_s": max(across), "median_gap_before_s": median,
+                             "gap_ratio": longest / median, "catchup_s": report.catchup_seconds,
+                             "catchup_tokens": report.catchup_tokens, "switch_call_s": t_end - t0,
+                             "residual_max": max(report.residual.values(), default=0),
                              "engine_pause_s": (engine.stats().route_switch_pauses or (None,))[-1],
                              "live_context_tokens": sum(a.context + sum(x < t0 for x in t) for t in times)})
-        for t in threads:  # each follower reads its stream to the end (the stream's one consumer)
-            t.join(timeout=600)
+        _wait_tokens(times, min(len(t) for t in times) + a.tokens_between, 900)
     finally:
-        engine.close()
-    print(f"\nSWITCH (pause-and-re-prefill) {a.streams} streams x {a.context}-token contexts, model {model_dir.name}")
-    print(f"{'to':>3} {'longest gap s':>14} {'engine pause s':>15} {'median gap s':>13} {'ratio':>7} {'switch call s':>14} "
-          f"{'live tokens':>12}")
+        engine.close()  # cancels the streams
+        for t in threads:
+            t.join(timeout=60)
+    return switches
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run 1 -> 2 -> 1 under decoding streams in each mode and print the pause of each switch."""
+    p = argparse.ArgumentParser(prog="mesh bench growth", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="HF checkpoint dir or .gguf file (default: the built-in `bench` preset)")
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--context", type=int, default=1000)
+    p.add_argument("--tokens-between", type=int, default=24, help="tokens each stream decodes between switches")
+    p.add_argument("--max-wave-tokens", type=int, default=512)
+    p.add_argument("--catchup-wave-tokens", type=int, default=SchedulerConfig().catchup_wave_tokens)
+    p.add_argument("--modes", default="catchup,pause", help="comma-separated: catchup, pause (run in this order)")
+    p.add_argument("--quick", action="store_true", help="4 streams of 64 tokens, 6 tokens between switches")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.streams, a.context, a.tokens_between = 4, 64, 6
+    model_dir = resolve_model(a.model, "bench")
+    cfg = ModelConfig.from_dir(model_dir)
+    switches = [s for mode in a.modes.split(",") for s in run_mode(mode.strip(), a, model_dir, cfg)]
+    print(f"\nSWITCH {a.streams} streams x {a.context}-token contexts, model {model_dir.name}, "
+          f"catch-up waves of {a.catchup_wave_tokens} rows")
+    print(f"{'mode':>8} {'to':>3} {'longest gap s':>14} {'across swap s':>14} {'engine pause s':>15} "
+          f"{'median gap s':>13} {'ratio':>7} {'catch-up s':>11} {'residual':>9} {'live tokens':>12}")
     for s in switches:
-        print(f"{s['to_stations']:>3} {s['longest_gap_s']:>14.3f} {s['engine_pause_s'] or 0:>15.3f} "
-              f"{s['median_gap_before_s']:>13.4f} "
-              f"{s['gap_ratio']:>6.1f}x {s['switch_call_s']:>14.3f} {s['live_context_tokens']:>12}")
-    worst = max(s["gap_ratio"] for s in switches)
-    print(f"target: longest gap <= {TARGET_GAP_RATIO:.0f}x the median gap before: {worst:.1f}x "
-          f"({'met' if worst <= TARGET_GAP_RATIO else 'NOT met'})")
+        print(f"{s['mode']:>8} {s['to_stations']:>3} {s['longest_gap_s']:>14.3f} {s['gap_across_swap_s']:>14.3f} "
+              f"{s['engine_pause_s'] or 0:>15.3f} {s['median_gap_before_s']:>13.4f} {s['gap_ratio']:>6.1f}x "
+              f"{s['catchup_s']:>11.2f} {s['residual_max']:>9} {s['live_context_tokens']:>12}")
+    for mode in sorted({s["mode"] for s in switches}):
+        worst = max(s["gap_ratio"] for s in switches if s["mode"] == mode)
+        print(f"{mode}: longest gap <= {TARGET_GAP_RATIO:.0f}x the median gap before: {worst:.1f}x "
+              f"({'met' if worst <= TARGET_GAP_RATIO else 'NOT met'})")
     mach = describe_machine()
     print(f"machine: {mach['cpu']}, {mach['cores']} cores, load {mach['loadavg_1m']}")
-    print(json.dumps({"mode": "pause-and-re-prefill", "switches": switches, "streams": a.streams,
-                      "context": a.context, "model": str(model_dir), "machine": mach}))
+    print(json.dumps({"switches": switches, "streams": a.streams, "context": a.context,
+                      "catchup_wave_tokens": a.catchup_wave_tokens, "model": str(model_dir), "machine": mach}))
     return 0
 
 

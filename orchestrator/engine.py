@@ -26,12 +26,13 @@ from mesh.core.params import SamplingParams
 from orchestrator.pipeline import StationDown, StationLink
 from orchestrator.relay import make_pipeline
 from orchestrator.route import RouteMachine, route_limits
+from orchestrator.route_switch import CatchUpFailed, RouteSwitching
 from orchestrator.scheduler_types import EngineStats
 from orchestrator.scheduler import AdmissionError, Scheduler, WavePlan
 from orchestrator.switch_pause import SwitchPauses
 from orchestrator.stream import CompletionOutput, RequestStream, StreamEvent, TextTracker, TokenLogprob
 
-__all__ = ["AdmissionError", "Engine", "EngineStats"]
+__all__ = ["AdmissionError", "CatchUpFailed", "Engine", "EngineStats"]
 _WAKE, _STOP = object(), object()
 
 
@@ -43,8 +44,10 @@ class _Live:
     open: set[int]
 
 
-class Engine:
+class Engine(RouteSwitching):
     """Continuous batching over a chain of stations."""
+
+    _wake = _WAKE  # what the route switch puts in the wave loop's inbox to wake it
 
     def __init__(self, links: list[StationLink], model: ModelConfig, config: SchedulerConfig,
                  tokenizer=None, rate_window_s: float = 10.0,
@@ -70,6 +73,13 @@ class Engine:
         self._recover, self._recover_retry_s = recover, recover_retry_s
         self.recovery_seconds: list[float] = []  # how long each recovery took
         self.switch_pauses = SwitchPauses()  # how long each route switch held the live streams
+        self.switch_reports: list = []  # one SwitchReport per finished route switch
+        self.catchup_tokens = 0  # tokens whose KV catch-up waves built on new routes
+        self.replayed_sequences = 0  # sequences a route switch moved by re-prefill (pause switches, no room)
+        self._switch_lock = threading.Lock()  # one route switch at a time
+        self._catchup = None  # the CatchUp of a make-before-break switch under way
+        self._catchup_pipeline = None  # its new route
+        self._catchup_waves: set[int] = set()  # wave ids of catch-up waves in flight (their replies skip the scheduler)
         self._sent: dict[int, float] = {}  # wave id -> when it entered the pipeline
         self._thread = threading.Thread(target=self._run, name="wave-loop", daemon=True)
         self._thread.start()
@@ -134,6 +144,8 @@ class Engine:
             old = self._rates[0] if self._rates else (now, s.prefill_tokens, s.decode_tokens)
             links, route_error, recovery = self.pipeline.links, self.route.error, tuple(self.recovery_seconds)
             switches, pauses = self.switch_pauses.switches, tuple(self.switch_pauses.pauses)
+            catchup = self._catchup.progress(self.scheduler.running(), now) if self._catchup is not None else None
+            catchup_tokens, replayed = self.catchup_tokens, self.replayed_sequences
         span = max(now - old[0], 1e-9)
         kv = [link.kv() for link in links]
         return EngineStats(
@@ -148,38 +160,13 @@ class Engine:
             prefix_cache=s.prefix_cache, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, kv_blocks_cached=s.kv_blocks_cached,
             kv_bytes_cached=s.kv_blocks_cached * sum(k.bytes_total // k.blocks_total for k in kv),
-            recovery_seconds=recovery, route_switches=switches, route_switch_pauses=pauses, route_error=route_error)
-
-    def switch_route(self, links: list[StationLink], timeout: float = 120.0) -> None:
-        """Move serving onto a new chain of stations between waves. Waves in flight finish on the old
-        route; then every live sequence is re-prefilled on the new one (counter-based sampling keeps
-        its tokens unchanged) and the old stations release their KV. Streams only pause."""
-        self.route.begin_switch()  # raises IllegalTransition when closed or already switching
-        try:
-            if not self._wait_idle(timeout):
-                raise TimeoutError(f"waves still in flight after {timeout}s; route not switched")
-            self._swap(links)
-            with self._lock:  # from here every live stream waits for a token of the new route
-                self.switch_pauses.begin()
-        finally:
-            self.route.end_switch()
-            self._inbox.put(_WAKE)
+            recovery_seconds=recovery, route_switches=switches, route_switch_pauses=pauses, route_error=route_error,
+            route_catchup=catchup, route_catchup_tokens=catchup_tokens, route_replayed_sequences=replayed)
 
     def _wait_idle(self, timeout: float | None) -> bool:
         """Wait until no wave is in flight (None: no limit); False on timeout."""
         with self._lock:
             return self._lock.wait_for(lambda: self._in_flight == 0, timeout)
-
-    def _swap(self, links: list[StationLink]) -> None:
-        """With no wave in flight and planning paused: requeue every live sequence for re-prefill on `links`."""
-        limits = route_limits(links, self.model.max_position_embeddings)
-        with self._lock:
-            old = self.pipeline
-            released = self.scheduler.rebase(limits)
-            self.pipeline = make_pipeline(links, self._on_wave_done, self.config.hidden_path)
-        old.release(released)  # reused stations drop the old KV before the new pipeline sends a wave
-        old.barrier()
-        old.close()
 
     def recover_route(self) -> bool:
         """A station failed its health check: rebuild the route now (as after a failed call), when recovery is on.
@@ -255,11 +242,15 @@ class Engine:
     def _run(self) -> None:
         while (item := self._inbox.get()) is not _STOP:
             with self._lock:
-                if item is not _WAKE:
+                if item is not _WAKE and item[0].wave_id in self._catchup_waves:
+                    self._catchup_wave_done(item[0], item[2])
+                    self._lock.notify_all()  # the route switch waits on the catch-up's progress
+                elif item is not _WAKE:
                     self._in_flight -= 1
                     self._finish_wave(*item)
                     self._lock.notify_all()  # idle waits: a wave came back, requests may have ended
                 self._fill()
+                self._fill_catchup()
 
     def _fill(self) -> None:
         depth = self.pipeline.depth + self.config.extra_waves
@@ -287,6 +278,9 @@ class Engine:
         if error is not None:
             self.scheduler.abort_wave(plan)
             self._release(self.scheduler.take_releases())
+            if isinstance(error, StationDown) and self._catchup is not None and self._catchup.error is None:
+                self._catchup.force = True  # switch to the new route now; its sequences replay their residual there
+                return
             if isinstance(error, StationDown) and self._recover is not None:
                 self.recover_route()  # its sequences stay live and are replayed on the rebuilt route
                 return
@@ -304,6 +298,8 @@ class Engine:
             self._rates.popleft()
         for ev in result.events:
             self.switch_pauses.token(ev.seq_id, now)
+            if self._catchup is not None:
+                self._catchup.old_commit(ev.seq_id)
             owner = self._seq_owner.get(ev.seq_id)
             if owner is None:
                 continue
@@ -339,3 +335,4 @@ class Engine:
     def _release(self, seq_ids) -> None:
         if seq_ids:
             self.pipeline.release(tuple(seq_ids))
+            self._catchup_forget(seq_ids)

@@ -69,7 +69,11 @@ class _EngineCollector(Collector):
                      "Fraction of the stations' KV bytes in use (1 = full)."),
                     ("prefix_cache_blocks", s.kv_blocks_cached, "KV blocks kept for prefix reuse, referenced by none."),
                     ("prefix_cache_bytes", s.kv_bytes_cached, "Bytes of those blocks over every station."),
-                    ("prefix_cache_enabled", int(s.prefix_cache), "1 while shared prompt prefixes are reused.")):
+                    ("prefix_cache_enabled", int(s.prefix_cache), "1 while shared prompt prefixes are reused."),
+                    ("route_catchup_in_progress", int(s.route_catchup is not None),
+                     "1 while a new route builds the live sequences' KV (make before break)."),
+                    ("route_catchup_tokens_behind", s.route_catchup.tokens_behind if s.route_catchup else 0,
+                     "Tokens the new route of the catch-up under way still lacks.")):
                 yield GaugeMetricFamily(PREFIX + name, doc, value=value)
             for name, value, doc in (
                     ("num_preemptions", s.preemptions, "Sequences preempted to free KV (recomputed later)."),
@@ -79,6 +83,11 @@ class _EngineCollector(Collector):
                     ("prefix_cache_queries", s.prefix_cache_queries, "Prompt tokens looked up in the prefix cache."),
                     ("prefix_cache_hits", s.prefix_cache_hits, "Prompt tokens found in the prefix cache."),
                     ("route_switches", s.route_switches, "Route switches begun (mesh scale, add-station)."),
+                    ("route_catchup_tokens", s.route_catchup_tokens,
+                     "Tokens whose KV catch-up waves built on a new route while the old one decoded."),
+                    ("route_replayed_sequences", s.route_replayed_sequences,
+                     "Sequences a route switch moved by pause and re-prefill (no room on the new route, or a "
+                     "switch that could not catch up)."),
                     ("recoveries", len(s.recovery_seconds), "Rebuilds of the route after a lost station.")):
                 yield CounterMetricFamily(PREFIX + name, doc, value=value)
             yield _histogram("route_switch_pause_seconds", "Per route switch, the longest wait of a live stream "

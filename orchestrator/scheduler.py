@@ -164,6 +164,43 @@ class Scheduler:
         self._ledger = self._new_ledger(limits)  # the cache is dropped: the new stations hold no KV
         return self.take_releases()
 
+    def new_ledger(self, limits: KVLimits) -> KVBlockLedger:
+        """An empty ledger for a route with these limits (a catch-up fills it before `adopt`)."""
+        return self._new_ledger(limits)
+
+    def new_wave_id(self) -> int:
+        """A wave id no plan has used (catch-up waves draw from the same counter)."""
+        self._next_wave_id += 1
+        return self._next_wave_id - 1
+
+    def running(self) -> list[Sequence]:
+        """The running sequences, oldest first (read only)."""
+        return self._seqs.running
+
+    def adopt(self, limits: KVLimits, ledger: KVBlockLedger, shadows: dict[int, Sequence],
+              no_room: set[int]) -> tuple[tuple[int, ...], dict[int, int]]:
+        """Move to a new route whose KV a catch-up built (no wave may be in flight): each running sequence takes
+        its shadow's block table and computed tokens (none if it has no shadow); those in `no_room` go back to
+        the queue to be re-prefilled there. Returns the seq ids whose KV the old stations must release, and per
+        moved sequence the tokens it has left to compute on the new route."""
+        if self._in_flight:
+            raise RuntimeError(f"adopt with {len(self._in_flight)} waves in flight")
+        for seq in reversed(list(self._seqs.running)):
+            if seq.seq_id in no_room:
+                self._requeue(seq)
+        released = [s.seq_id for s in self._seqs.running] + list(self.take_releases())
+        residual = {}
+        for seq in self._seqs.running:
+            shadow = shadows.get(seq.seq_id)
+            if shadow is not None and shadow.num_computed > seq.num_computed:
+                raise RuntimeError(f"seq {seq.seq_id}: its new-route KV is not a prefix of its old-route KV")
+            seq.table, seq.block_names = (shadow.table, []) if shadow else ([], [])
+            seq.num_computed = shadow.num_computed if shadow else 0
+            seq.history, seq.replay = list(shadow.history) if shadow else [], []  # chunk-invariant: any cut
+            residual[seq.seq_id] = seq.num_pending
+        self.limits, self._ledger = limits, ledger
+        return tuple(released), residual
+
     def take_releases(self) -> tuple[int, ...]:
         """Seq ids whose station KV must be released before the next wave is sent (preemptions in
         plan(), cancelled sequences of an aborted wave); drains the list."""

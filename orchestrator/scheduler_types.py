@@ -97,6 +97,18 @@ class SchedulerStats:
 
 
 @dataclass(frozen=True, slots=True)
+class CatchUpProgress:
+    """Where a catch-up stands (status page, `mesh status`, `mesh scale` progress)."""
+
+    sequences: int  # running sequences being moved
+    tokens_done: int  # their tokens whose KV is on the new route
+    tokens_behind: int  # their tokens committed on the old route and not yet on the new one
+    waves: int  # catch-up waves committed so far
+    no_room: int  # sequences the new stations cannot hold (re-prefilled after the switch)
+    seconds: float  # since the catch-up began
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot of the engine: queues, waves, token counts and rates, KV, outcomes."""
 
@@ -125,3 +137,6 @@ class EngineStats:
     route_switches: int = 0  # route switches begun (mesh scale, add-station)
     route_switch_pauses: tuple[float, ...] = ()  # per switch: the longest wait of a live stream for its next token
     route_error: str | None = None  # set while a lost station is not back (new requests get 503)
+    route_catchup: CatchUpProgress | None = None  # a make-before-break switch under way, else None
+    route_catchup_tokens: int = 0  # tokens whose KV catch-up waves built on a new route, all switches
+    route_replayed_sequences: int = 0  # sequences moved by pause-and-re-prefill instead (fallback or setting)

@@ -45,7 +45,7 @@ def test_page_route_and_query_key(tiny_llama, api_key):
             page = client.get("/", params={"key": KEY} if api_key else None)
             assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
             for hook in ('id="busy-lanes"', 'id="queue-depth"', 'id="waves-in-flight"', 'id="tokens-per-s"',
-                         'id="peak-tokens-per-s"', 'id="route"', 'id="prefix-hit-rate"', "v1/status"):
+                         'id="peak-tokens-per-s"', 'id="route"', 'id="prefix-hit-rate"', 'id="replan"', "v1/status"):
                 assert hook in page.text, hook
             assert not re.search(r"<(script|link)[^>]+(src|href)=\"(https?:)?//", page.text), "no CDN"
             if api_key:
@@ -156,7 +156,7 @@ def test_page_in_chromium_shows_the_route_and_busy_lanes(mesh_up):
     assert [(s["index"], s["layers"]) for s in idle.stations] == [("0", "0-3"), ("1", "3-6")]
     assert [s["text"] for s in idle.stations] == ["layers 0-3", "layers 3-6"]
     assert idle.values["busy-lanes"] == "0" and idle.values["queue-depth"] == "0"
-    assert idle.values["route-generation"] == "0"
+    assert idle.values["route-generation"] == "0" and idle.values["replan"] == "none"
 
     stop, streams = threading.Event(), []
 

@@ -208,9 +208,40 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_progress(args: argparse.Namespace, path: str, body: dict) -> dict:
+    """POST a re-plan and, while it runs, print the catch-up's progress from /v1/status once a second."""
+    import threading
+
+    out: dict = {}
+
+    def call() -> None:
+        try:
+            out["reply"] = _call(args, path, body)
+        except ValueError as e:
+            out["error"] = e
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    said = None
+    while worker.is_alive():
+        worker.join(1.0)
+        try:
+            cu = _call(args, "/v1/status").get("engine", {}).get("route_catchup") if worker.is_alive() else None
+        except ValueError:
+            cu = None
+        if cu and cu != said:
+            said = cu
+            print(f"catching up: {cu['tokens_done']} of {cu['tokens_done'] + cu['tokens_behind']} tokens of "
+                  f"{cu['sequences']} live sequence(s) on the new stations ({cu['waves']} waves, "
+                  f"{cu['seconds']:.1f} s)", file=sys.stderr, flush=True)
+    if "error" in out:
+        raise out["error"]
+    return out["reply"]
+
+
 def cmd_scale(args: argparse.Namespace) -> int:
-    """Re-plan a running cluster over N stations."""
-    print(json.dumps(_call(args, "/admin/scale", {"stations": args.stations})))
+    """Re-plan a running cluster over N stations (printing the new route's catch-up as it goes)."""
+    print(json.dumps(_with_progress(args, "/admin/scale", {"stations": args.stations})))
     return 0
 
 
@@ -222,7 +253,7 @@ def cmd_add_station(args: argparse.Namespace) -> int:
             layers = [int(x) for x in args.layers.split("-")]
         except ValueError:
             raise ValueError(f"--layers: expected A-B, got {args.layers!r}") from None
-    print(json.dumps(_call(args, "/admin/add-station", {"layers": layers, "num_gpus": args.num_gpus})))
+    print(json.dumps(_with_progress(args, "/admin/add-station", {"layers": layers, "num_gpus": args.num_gpus})))
     return 0
 
 

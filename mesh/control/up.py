@@ -34,6 +34,7 @@ from mesh.core.model.tokenizer_files import chat_template, load_tokenizer
 from orchestrator.api import create_app
 from orchestrator.http_body import read_json_object
 from orchestrator.metrics import MetricsRegistry
+from orchestrator.route_switch import CatchUpFailed
 from orchestrator.openai_schema import ApiError, bad
 
 
@@ -89,6 +90,8 @@ def _control(call, fields: tuple[str, ...], after):
             out = call(*args)
         except ConfigError as e:
             raise ApiError(400, str(e), next((f for f in fields if f in str(e)), None), "invalid_value") from None
+        except CatchUpFailed as e:  # the old route serves on; say why the new one was given up
+            raise ApiError(503, str(e), None, "route_not_switched") from None
         after()
         return out
 

@@ -270,6 +270,7 @@ class StationSpec:
 
 
 HIDDEN_PATHS = ("direct", "hub")  # how hidden rows go from station to station (orchestrator/relay.py)
+ROUTE_SWITCHES = ("catchup", "pause")  # how a live route moves onto new stations (orchestrator/catchup.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,9 +286,12 @@ class SchedulerConfig:
     extra_waves: int = 0  # waves in flight beyond one per station: hides call latency, in smaller groups
     prefix_cache: bool = True  # reuse committed KV blocks of shared prompt prefixes (where the stations make it exact)
     hidden_path: str = "direct"  # "direct": station to station (gRPC stations); "hub": through the orchestrator
+    route_switch: str = "catchup"  # "catchup": build the new route's KV while the old one decodes; "pause": stop and re-prefill
+    catchup_wave_tokens: int = 128  # rows of one catch-up wave (smaller: less contention with the old route's decode)
 
     def __post_init__(self) -> None:
-        for name in ("max_seqs", "max_wave_tokens", "max_queue", "short_prompt_tokens", "max_skips"):
+        for name in ("max_seqs", "max_wave_tokens", "max_queue", "short_prompt_tokens", "max_skips",
+                     "catchup_wave_tokens"):
             v = getattr(self, name)
             _require(is_int(v) and v > 0, f"scheduler.{name} must be a positive integer, got {v!r}")
         _require(isinstance(self.prefix_cache, bool), f"scheduler.prefix_cache must be true or false, got {self.prefix_cache!r}")
@@ -295,6 +299,8 @@ class SchedulerConfig:
                  f"scheduler.extra_waves must be an integer >= 0, got {self.extra_waves!r}")
         _require(self.hidden_path in HIDDEN_PATHS,
                  f"scheduler.hidden_path must be one of {list(HIDDEN_PATHS)}, got {self.hidden_path!r}")
+        _require(self.route_switch in ROUTE_SWITCHES,
+                 f"scheduler.route_switch must be one of {list(ROUTE_SWITCHES)}, got {self.route_switch!r}")
         _require(self.max_wave_tokens >= self.max_seqs,
                  f"scheduler.max_wave_tokens ({self.max_wave_tokens}) must be >= max_seqs ({self.max_seqs}) "
                  "so every decoding sequence fits in one wave")
