@@ -3,8 +3,10 @@
 A route switch with catch-up (`scheduler.route_switch: catchup`) runs in three steps:
 
 1. Catch-up. Waves of the new route (`CatchUp.plan`) recompute, for every running sequence, the tokens whose
-   KV the old route has committed, in chunks of at most `scheduler.catchup_wave_tokens` rows, one wave per new
-   station in flight, beside the old route's own waves. Only exact where every station of both routes gives
+   KV the old route has committed, one wave per new station in flight, beside the old route's own waves. Their
+   size is paced by the old route's wave time (`old_wave`): where both routes share cores they grow only while
+   the old route's waves stay within 1.75x their time before the catch-up, up to
+   `scheduler.catchup_wave_tokens` rows. Only exact where every station of both routes gives
    a token the same KV bits however its sequence is cut into entries (the native kernels: `prefill_chunk_invariant`);
    the engine checks that before it starts one.
 2. Ready. Once every running sequence is at most a few tokens behind the old route (`ready`), planning
@@ -25,6 +27,9 @@ from mesh.core.wave import WaveEntry
 from orchestrator.kv_ledger import KVBlockLedger
 from orchestrator.scheduler_types import CatchUpProgress, WavePlan
 from orchestrator.sequence import Sequence
+
+MIN_ROWS = 16  # the smallest catch-up wave, and the step it grows by
+STALL_WAVES = 8  # catch-up waves without a smaller largest lag before the switch accepts a looser one
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +52,23 @@ class CatchUp:
     sharing its request and output list, whose `num_computed` and `table` are the new route's."""
 
     def __init__(self, ledger: KVBlockLedger, wave_tokens: int, max_entries: int, ready_lag: int,
-                 new_wave_id: Callable[[], int], started: float) -> None:
+                 new_wave_id: Callable[[], int], started: float, baseline_s: float | None = None,
+                 residual_rows: int | None = None, old_depth: int = 1, slowdown: float = 1.75) -> None:
         """An empty catch-up over `ledger` (the new route's blocks, every one free); wave ids from `new_wave_id`
-        (the scheduler's counter, so no wave id is used twice at a station)."""
+        (the scheduler's counter, so no wave id is used twice at a station). `baseline_s`: the old route's wave
+        time before the catch-up (None: it was idle), which paces the catch-up's wave size (`old_wave`).
+        `residual_rows`: the rows the first wave on the new route may hold (default `wave_tokens`); `old_depth`:
+        the old route's waves in flight (each carries about 1/old_depth of the running sequences); `slowdown`:
+        `scheduler.catchup_slowdown` (0: no pacing)."""
         self.ledger = ledger
         self.wave_tokens, self.max_entries, self.ready_lag = wave_tokens, max_entries, ready_lag
+        self.baseline_s = baseline_s if slowdown else None  # 0: unpaced
+        self.slowdown = slowdown
+        self.residual_rows = residual_rows or wave_tokens
+        self.old_depth = old_depth
+        self._best_lag, self._best_wave = 1 << 62, 0  # the smallest largest-lag seen, and the catch-up wave then
+        self._floor = min(MIN_ROWS, wave_tokens)
+        self.rows = wave_tokens if self.baseline_s is None else self._floor  # the next wave's size: starts small
         self._new_wave_id = new_wave_id
         self.started = started
         self.shadows: dict[int, Sequence] = {}
@@ -76,11 +93,13 @@ class CatchUp:
 
     def plan(self, running: list[Sequence]) -> WavePlan | None:
         """The next catch-up wave: the committed tokens each running sequence not in a catch-up wave still lacks
-        on the new route, oldest sequence first, within `wave_tokens` rows and `max_entries` entries."""
+        on the new route, oldest sequence first, within `rows` rows (at least twice the tokens one wave of the
+        old route adds, so it gains on the decode) and `max_entries` entries."""
         if self.closing or self.error is not None:
             return None
         busy = {e.seq_id for p in self._in_flight.values() for e in p.entries}
-        entries, tokens, budget = [], [], self.wave_tokens
+        gain = 2 * -(-len(running) // self.old_depth)  # twice the tokens one old-route wave adds: always gains
+        entries, tokens, budget = [], [], max(self.rows, min(self.wave_tokens, gain))
         for seq in running:
             if budget < 1 or len(entries) >= self.max_entries:
                 break
@@ -148,6 +167,20 @@ class CatchUp:
                 out.append(e.seq_id)
         return tuple(out)
 
+    def old_wave(self, seconds: float) -> None:
+        """The old route committed a wave that took `seconds` from send to commit: the pacing. Where both routes
+        share hardware a catch-up wave delays the old route's next one, so its wave time is the streams' token
+        gap. Catch-up waves start at MIN_ROWS rows; while the old route's waves stay within `slowdown` x their time
+        before the catch-up they grow by MIN_ROWS (up to `wave_tokens`), and a slower one cuts them by a quarter
+        (never below MIN_ROWS; `plan` takes at least twice what one old-route wave adds, so the catch-up always gains). On hardware of its own the catch-up slows nothing and
+        soon runs at `wave_tokens`."""
+        if self.baseline_s is None:
+            return
+        if seconds > self.slowdown * self.baseline_s:
+            self.rows = max(self._floor, self.rows * 3 // 4)
+        else:
+            self.rows = min(self.wave_tokens, self.rows + MIN_ROWS)
+
     def old_commit(self, seq_id: int) -> None:
         """The old route committed a token of `seq_id` while the catch-up ran."""
         self.decoded[seq_id] = self.decoded.get(seq_id, 0) + 1
@@ -171,21 +204,19 @@ class CatchUp:
 
     def lag_limit(self, running: int) -> int:
         """How far behind the old route a sequence may be at the switch: `ready_lag` (the waves in flight of both
-        routes: the catch-up cannot get closer while the old route decodes), or up to 16 tokens while the
-        residual chunks of all `running` sequences still fit one catch-up wave (a short chunk costs about as
-        much as a decode row, so the switch need not wait for a closer chase)."""
-        return max(self.ready_lag, min(16, self.wave_tokens // max(1, running)))
+        routes: the catch-up cannot get closer while the old route decodes), or, once the chase has stopped
+        gaining for STALL_WAVES catch-up waves, up to 16 tokens while all residual chunks still fit one wave
+        (at most `residual_rows` together). A residual chunk costs about as much as a decode row."""
+        loose = min(16, self.residual_rows // max(1, running))
+        return max(1, min(self.ready_lag, loose)) if self.waves - self._best_wave < STALL_WAVES else max(1, loose)
 
     def ready(self, running: list[Sequence]) -> bool:
         """True when every running sequence the new route can hold is at most `lag_limit` tokens behind."""
-        limit = self.lag_limit(len(running))
-        for seq in running:
-            if seq.seq_id in self.no_room:
-                continue
-            shadow = self.shadows.get(seq.seq_id)
-            if seq.num_computed - (shadow.num_computed if shadow else 0) > limit:
-                return False
-        return True
+        lag = max((seq.num_computed - (self.shadows[seq.seq_id].num_computed if seq.seq_id in self.shadows else 0)
+                   for seq in running if seq.seq_id not in self.no_room), default=0)
+        if lag < self._best_lag:
+            self._best_lag, self._best_wave = lag, self.waves
+        return lag <= self.lag_limit(len(running))
 
     def progress(self, running: list[Sequence], now: float) -> CatchUpProgress:
         """A snapshot for status pages."""

@@ -81,6 +81,7 @@ class Engine(RouteSwitching):
         self._catchup_pipeline = None  # its new route
         self._catchup_waves: set[int] = set()  # wave ids of catch-up waves in flight (their replies skip the scheduler)
         self._sent: dict[int, float] = {}  # wave id -> when it entered the pipeline
+        self._wave_seconds: deque = deque(maxlen=16)  # send-to-commit times of the latest decode-only waves (catch-up pacing)
         self._thread = threading.Thread(target=self._run, name="wave-loop", daemon=True)
         self._thread.start()
 
@@ -290,6 +291,11 @@ class Engine(RouteSwitching):
         result = self.scheduler.commit(plan, samples)
         self._release(result.released)
         now = time.monotonic()
+        if sent is not None:
+            if len(plan.token_ids) == len(plan.entries):  # a decode-only wave: the pace a catch-up must keep
+                self._wave_seconds.append(now - sent)
+            if self._catchup is not None:
+                self._catchup.old_wave(now - sent)
         if self.on_wave is not None and sent is not None:
             rows = len(plan.token_ids)
             self.on_wave(rows, rows / self.config.max_wave_tokens, now - sent)

@@ -107,8 +107,11 @@ class RouteSwitching:
         pipeline = make_pipeline(links, self._on_wave_done, self.config.hidden_path)
         with self._lock:
             old_depth = self.pipeline.depth + self.config.extra_waves
+            recent = sorted(self._wave_seconds)
+            baseline = recent[len(recent) // 2] if recent and self.scheduler.running() else None
             cu = CatchUp(self.scheduler.new_ledger(limits), self.config.catchup_wave_tokens, self.config.max_seqs,
-                         old_depth + pipeline.depth, self.scheduler.new_wave_id, t0)
+                         old_depth + pipeline.depth, self.scheduler.new_wave_id, t0, baseline,
+                         self.config.max_wave_tokens, old_depth, self.config.catchup_slowdown)
             self._catchup, self._catchup_pipeline = cu, pipeline
         self._inbox.put(self._wake)
         switching = False
@@ -125,7 +128,9 @@ class RouteSwitching:
                         progress(f"catching up: {p.tokens_done} tokens of {p.sequences} sequence(s) on the new "
                                  f"route, {p.tokens_behind} behind ({p.waves} waves, {p.seconds:.1f} s)")
                     self._lock.wait(min(deadline - now, 0.25))
-                cu.closing = True
+                cu.closing = True  # no more catch-up waves; the old route decodes on while the last ones finish
+                self._lock.wait_for(lambda: cu.in_flight == 0 or cu.error or cu.force or self.route.closed,
+                                    max(1.0, deadline - time.monotonic()))
                 if cu.error is None and not self.route.closed:
                     self.route.begin_switch()  # the old route plans no more waves
                     switching = True

@@ -205,6 +205,10 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"{'healthy' if st.get('healthy') else 'DOWN'}  kv {100 * used / total:.1f}%")
     eng = status.get("engine", {})
     print(f"running {eng.get('running')}  waiting {eng.get('waiting')}  waves in flight {eng.get('waves_in_flight')}")
+    if cu := eng.get("route_catchup"):
+        print(f"re-plan in progress: the new stations hold {cu['tokens_done']} of "
+              f"{cu['tokens_done'] + cu['tokens_behind']} tokens of {cu['sequences']} live sequence(s) "
+              f"({cu['waves']} catch-up waves, {cu['seconds']:.1f} s)")
     return 0
 
 

@@ -175,7 +175,8 @@ class Cluster:
             try:
                 with self._scale_lock:
                     self.progress(f"switching route to {len(specs)} station(s): {[list(s.layers) for s in specs]}")
-                    self.engine.switch_route([self._links[s] for s in specs])
+                    self.engine.switch_route([self._links[s] for s in specs], self.config.cluster.replan_timeout_s,
+                                             self.progress)
                     for old in [s for s in self.specs if s not in specs]:
                         self._retire(old)
                     self.specs = specs

@@ -111,6 +111,7 @@ class ClusterConfig:
     restart_timeout_s: float = 120.0  # how long a lost station may take to come back before its requests end
     max_restarts: int = 3  # Ray restarts of one station actor
     health_period_s: float = 5.0  # how often each station proves its forward path and the orchestrator checks it
+    replan_timeout_s: float = 600.0  # a re-plan (scale, add-station) not switched by then is abandoned; the old route serves on
     tls_cert: str | None = None  # PEM certificate (SAN DNS:wavemesh-station) for mutual TLS (all three or none)
     tls_key: str | None = None  # its PEM private key
     tls_ca: str | None = None  # PEM CA bundle both sides' certificates must chain to
@@ -122,6 +123,8 @@ class ClusterConfig:
                  f"cluster.shutdown_timeout_s: must be a number >= 0, got {self.shutdown_timeout_s!r}")
         _require(_is_num(self.restart_timeout_s) and self.restart_timeout_s > 0,
                  f"cluster.restart_timeout_s: must be a number > 0, got {self.restart_timeout_s!r}")
+        _require(_is_num(self.replan_timeout_s) and self.replan_timeout_s > 0,
+                 f"cluster.replan_timeout_s: must be a number > 0, got {self.replan_timeout_s!r}")
         _require(_is_num(self.health_period_s) and self.health_period_s > 0,
                  f"cluster.health_period_s: must be a number > 0, got {self.health_period_s!r}")
         _require(is_int(self.max_restarts) and self.max_restarts >= 0,
@@ -261,12 +264,13 @@ _SCHEMA = {  # section: {key: kind}
     "scheduler": {"max_seqs": "pos_int", "max_wave_tokens": "pos_int", "max_queue": "pos_int",
                   "short_first": "bool", "short_prompt_tokens": "pos_int", "max_skips": "pos_int",
                   "extra_waves": "nonneg_int", "prefix_cache": "bool", "hidden_path": "str",
-                  "route_switch": "str", "catchup_wave_tokens": "pos_int"},
+                  "route_switch": "str", "catchup_wave_tokens": "pos_int", "catchup_slowdown": "nonneg_num"},
     "api": {"host": "str", "port": "int", "api_key": "opt_str", "model_name": "opt_str", "max_n": "pos_int",
             "health_cache_s": "nonneg_num"},
     "cluster": {"token": "opt_str", "station_host": "str", "call_timeout_s": "pos_num",
                 "shutdown_timeout_s": "nonneg_num", "targets_file": "opt_str",
                 "restart_timeout_s": "pos_num", "max_restarts": "nonneg_int", "health_period_s": "pos_num",
+                "replan_timeout_s": "pos_num",
                 "tls_cert": "opt_str", "tls_key": "opt_str", "tls_ca": "opt_str"},
     "station": {"layers": "layers", "device": "str", "dtype": "str", "kv_bytes": "size",
                 "num_gpus": "nonneg_num", "num_cpus": "nonneg_num", "linear_backend": "str", "resources": "resources"},

@@ -287,7 +287,8 @@ class SchedulerConfig:
     prefix_cache: bool = True  # reuse committed KV blocks of shared prompt prefixes (where the stations make it exact)
     hidden_path: str = "direct"  # "direct": station to station (gRPC stations); "hub": through the orchestrator
     route_switch: str = "catchup"  # "catchup": build the new route's KV while the old one decodes; "pause": stop and re-prefill
-    catchup_wave_tokens: int = 128  # rows of one catch-up wave (smaller: less contention with the old route's decode)
+    catchup_wave_tokens: int = 256  # most rows of one catch-up wave (paced down while it slows the old route's waves)
+    catchup_slowdown: float = 1.75  # catch-up waves shrink while the old route's waves take longer than this x before; 0: unpaced
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_wave_tokens", "max_queue", "short_prompt_tokens", "max_skips",
@@ -299,6 +300,9 @@ class SchedulerConfig:
                  f"scheduler.extra_waves must be an integer >= 0, got {self.extra_waves!r}")
         _require(self.hidden_path in HIDDEN_PATHS,
                  f"scheduler.hidden_path must be one of {list(HIDDEN_PATHS)}, got {self.hidden_path!r}")
+        _require(isinstance(self.catchup_slowdown, (int, float)) and not isinstance(self.catchup_slowdown, bool)
+                 and math.isfinite(self.catchup_slowdown) and (self.catchup_slowdown == 0 or self.catchup_slowdown > 1),
+                 f"scheduler.catchup_slowdown must be 0 (unpaced) or a number > 1, got {self.catchup_slowdown!r}")
         _require(self.route_switch in ROUTE_SWITCHES,
                  f"scheduler.route_switch must be one of {list(ROUTE_SWITCHES)}, got {self.route_switch!r}")
         _require(self.max_wave_tokens >= self.max_seqs,
