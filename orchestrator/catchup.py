@@ -87,6 +87,10 @@ class CatchUp:
         """Catch-up waves at the new stations now."""
         return len(self._in_flight)
 
+    def _busy(self) -> set[int]:
+        """Seq ids in a catch-up wave now."""
+        return {e.seq_id for p in self._in_flight.values() for e in p.entries}
+
     def owns(self, plan: WavePlan) -> bool:
         """True if `plan` is one of this catch-up's waves in flight."""
         return plan.wave_id in self._in_flight
@@ -97,7 +101,7 @@ class CatchUp:
         old route adds, so it gains on the decode) and `max_entries` entries."""
         if self.closing or self.error is not None:
             return None
-        busy = {e.seq_id for p in self._in_flight.values() for e in p.entries}
+        busy = self._busy()
         gain = 2 * -(-len(running) // self.old_depth)  # twice the tokens one old-route wave adds: always gains
         entries, tokens, budget = [], [], max(self.rows, min(self.wave_tokens, gain))
         for seq in running:
@@ -188,7 +192,7 @@ class CatchUp:
     def forget(self, seq_ids: tuple[int, ...]) -> tuple[int, ...]:
         """These sequences left the old route (ended, cancelled, preempted): drop their shadows. Returns the seq
         ids whose new-route KV must be released now (one in a catch-up wave is released when the wave ends)."""
-        busy = {e.seq_id for p in self._in_flight.values() for e in p.entries}
+        busy = self._busy()
         now = []
         for seq_id in seq_ids:
             self.no_room.discard(seq_id)
