@@ -1,7 +1,7 @@
 """Growth while decoding: how long `mesh scale` 1 -> 2 -> 1 holds live streams (issue 14's measure).
 
     mesh bench growth [--model DIR] [--streams 16] [--context 1000] [--tokens-between 24]
-                      [--modes catchup,pause] [--catchup-wave-tokens 128] [--quick]
+                      [--modes copy,recompute,pause] [--catchup-wave-tokens 256] [--quick]
 
 For each mode in --modes (alternating, one full run each): N greedy streams (prompt --context random ids,
 ignore_eos) decode on an Engine over one in-process full-model station; once every stream has --tokens-between
@@ -13,9 +13,11 @@ own figure (wavemesh_route_switch_pause_seconds: the longest wait of a stream fo
 route), the median gap before the switch, the catch-up time, and longest gap / median gap (issue 14's target:
 at most 3x).
 
-Modes: `catchup` is make before break (the new stations build every live sequence's KV while the old route
-decodes, then the route switches with a short chunk per sequence left); `pause` is pause-and-re-prefill (planning
-stops, the pipeline empties and every live sequence is prefilled again on the new route). In-process stations
+Modes: `copy` and `recompute` are make before break (the new stations build every live sequence's KV while the old
+route decodes, then the route switches): `copy` copies the old stations' KV to the new ones (the default,
+`scheduler.catchup_kv: copy`; each sequence switches with its one decode token), `recompute` prefills it on the new
+stations in catch-up waves (a short chunk per sequence left at the switch); `pause` is pause-and-re-prefill
+(planning stops, the pipeline empties and every live sequence is prefilled again on the new route). In-process stations
 share this machine's cores: during a catch-up both routes compute on the same two cores (a measure of the pause,
 not of a scaled-out speed). The last line is one JSON object.
 """
@@ -54,7 +56,9 @@ def run_mode(mode: str, a, model_dir, cfg: ModelConfig) -> list[dict]:
     budget = cfg.max_position_embeddings  # tokens per stream: decoding goes on through two catch-ups (KV pages are touched as used)
     kv = budget * a.streams * 2 * layers * cfg.num_key_value_heads * cfg.head_dim * 4
     one = [LocalLink(Station(model_dir, StationSpec(layers=(0, layers), kv_bytes=kv)))]
-    sched = SchedulerConfig(max_seqs=a.streams, max_wave_tokens=a.max_wave_tokens, route_switch=mode,
+    sched = SchedulerConfig(max_seqs=a.streams, max_wave_tokens=a.max_wave_tokens,
+                            route_switch="pause" if mode == "pause" else "catchup",
+                            catchup_kv="recompute" if mode == "recompute" else "copy",
                             catchup_wave_tokens=a.catchup_wave_tokens)
     engine = Engine(one, cfg, sched, None)
     rng = random.Random(3)
@@ -99,7 +103,7 @@ def run_mode(mode: str, a, model_dir, cfg: ModelConfig) -> list[dict]:
                 before += [y - x for x, y in gaps if y <= t0][-max(1, a.tokens_between // 2):]
             median = statistics.median(before)
             longest = max(during + across)
-            switches.append({"mode": report.mode, "to_stations": len(ranges), "longest_gap_s": longest,
+            switches.append({"mode": mode if report.mode == "catchup" else report.mode, "to_stations": len(ranges), "longest_gap_s": longest,
                              "gap_across_swap_s": max(across), "median_gap_before_s": median,
                              "longest_gap_catchup_s": max(catching, default=0.0),
                              "median_gap_catchup_s": statistics.median(catching) if catching else 0.0,
@@ -126,9 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens-between", type=int, default=24, help="tokens each stream decodes between switches")
     p.add_argument("--max-wave-tokens", type=int, default=512)
     p.add_argument("--catchup-wave-tokens", type=int, default=SchedulerConfig().catchup_wave_tokens)
-    p.add_argument("--modes", default="catchup,pause", help="comma-separated: catchup, pause (run in this order)")
+    p.add_argument("--modes", default="copy,recompute,pause",
+                   help="comma-separated: copy, recompute, pause (run in this order)")
     p.add_argument("--quick", action="store_true", help="4 streams of 64 tokens, 6 tokens between switches")
     a = p.parse_args(argv)
+    if bad := [m for m in a.modes.split(",") if m.strip() not in ("copy", "recompute", "pause")]:
+        p.error(f"--modes: {bad} are not modes (copy, recompute, pause)")
     if a.quick:
         a.streams, a.context, a.tokens_between = 4, 64, 6
     model_dir = resolve_model(a.model, "bench")

@@ -2,15 +2,20 @@
 
 A route switch with catch-up (`scheduler.route_switch: catchup`) runs in three steps:
 
-1. Catch-up. Waves of the new route (`CatchUp.plan`) recompute, for every running sequence, the tokens whose
-   KV the old route has committed, one wave per new station in flight, beside the old route's own waves. Their
+1. Catch-up. Plans (`CatchUp.plan`) name, for every running sequence, the tokens whose KV the old route has
+   committed and the new route lacks. With `scheduler.catchup_kv: copy` (where both routes can) the new stations
+   take a copy of the old stations' KV (orchestrator/kv_move.py: the same bits, whatever the kernels), one plan
+   at a time; with `recompute` they are waves of the new route, one per new station in flight, beside the old
+   route's own waves. Their
    size is paced by the old route's wave time (`old_wave`): where both routes share cores they grow only while
    the old route's waves stay within 1.75x their time before the catch-up, up to
-   `scheduler.catchup_wave_tokens` rows. Only exact where every station of both routes gives
+   `scheduler.catchup_wave_tokens` rows. Recompute is only exact where every station of both routes gives
    a token the same KV bits however its sequence is cut into entries (the native kernels: `prefill_chunk_invariant`);
    the engine checks that before it starts one.
 2. Ready. Once every running sequence is at most a few tokens behind the old route (`ready`), planning
    pauses and the waves in flight of both routes finish (their tokens still stream).
+   With a copy, once the old route's waves are drained, one last plan copies what each sequence still lacks
+   (`plan(final=True)`), so the new route starts where the old one stopped.
 3. Adoption (Scheduler.adopt). Each sequence takes its new-route block table; the tokens decoded since its last
    catch-up chunk, with the one to sample, are one short chunk of the first wave on the new route. A sequence
    the new stations have no room for is re-prefilled there after the switch (today's pause, for it alone).
@@ -45,6 +50,7 @@ class SwitchReport:
     residual: dict[int, int]  # seq id -> tokens left to compute on the new route at the switch (the sampled one incl.)
     replayed: tuple[int, ...]  # seq ids re-prefilled from nothing on the new route (no room, or a pause switch)
     pause_seconds: float  # from the pause of planning to the swap of the route
+    kv_source: str = ""  # how a catch-up built the new route's KV: "copy" or "recompute" ("" for a pause switch)
 
 
 class CatchUp:
@@ -53,13 +59,15 @@ class CatchUp:
 
     def __init__(self, ledger: KVBlockLedger, wave_tokens: int, max_entries: int, ready_lag: int,
                  new_wave_id: Callable[[], int], started: float, baseline_s: float | None = None,
-                 residual_rows: int | None = None, old_depth: int = 1, slowdown: float = 1.75) -> None:
+                 residual_rows: int | None = None, old_depth: int = 1, slowdown: float = 1.75,
+                 step: int = MIN_ROWS) -> None:
         """An empty catch-up over `ledger` (the new route's blocks, every one free); wave ids from `new_wave_id`
         (the scheduler's counter, so no wave id is used twice at a station). `baseline_s`: the old route's wave
         time before the catch-up (None: it was idle), which paces the catch-up's wave size (`old_wave`).
         `residual_rows`: the rows the first wave on the new route may hold (default `wave_tokens`); `old_depth`:
         the old route's waves in flight (each carries about 1/old_depth of the running sequences); `slowdown`:
-        `scheduler.catchup_slowdown` (0: no pacing)."""
+        `scheduler.catchup_slowdown` (0: no pacing); `step`: the smallest plan and the step it grows by (MIN_ROWS
+        for waves, more for copies, whose rows cost far less)."""
         self.ledger = ledger
         self.wave_tokens, self.max_entries, self.ready_lag = wave_tokens, max_entries, ready_lag
         self.baseline_s = baseline_s if slowdown else None  # 0: unpaced
@@ -67,7 +75,7 @@ class CatchUp:
         self.residual_rows = residual_rows or wave_tokens
         self.old_depth = old_depth
         self._best_lag, self._best_wave = 1 << 62, 0  # the smallest largest-lag seen, and the catch-up wave then
-        self._floor = min(MIN_ROWS, wave_tokens)
+        self._floor = self._step = min(step, wave_tokens)
         self.rows = wave_tokens if self.baseline_s is None else self._floor  # the next wave's size: starts small
         self._new_wave_id = new_wave_id
         self.started = started
@@ -76,6 +84,7 @@ class CatchUp:
         self._in_flight: dict[int, WavePlan] = {}
         self._dropped: dict[int, Sequence] = {}  # forgotten while in a catch-up wave: released when it ends
         self._releases: list[int] = []  # new-route KV to release before the next catch-up wave
+        self._old_deferred: set[int] = set()  # old-route releases held back while a copy reads those sequences
         self.decoded: dict[int, int] = {}  # seq id -> old-route tokens committed during the catch-up
         self.waves = self.tokens = 0
         self.closing = False  # ready reached (or given up): no more catch-up waves
@@ -95,17 +104,20 @@ class CatchUp:
         """True if `plan` is one of this catch-up's waves in flight."""
         return plan.wave_id in self._in_flight
 
-    def plan(self, running: list[Sequence]) -> WavePlan | None:
+    def plan(self, running: list[Sequence], final: bool = False) -> WavePlan | None:
         """The next catch-up wave: the committed tokens each running sequence not in a catch-up wave still lacks
         on the new route, oldest sequence first, within `rows` rows (at least twice the tokens one wave of the
-        old route adds, so it gains on the decode) and `max_entries` entries."""
-        if self.closing or self.error is not None:
+        old route adds, so it gains on the decode) and `max_entries` entries. `final`: everything every sequence
+        lacks, in one plan (a copy's last one, with the old route drained)."""
+        if (self.closing and not final) or self.error is not None:
             return None
         busy = self._busy()
         gain = 2 * -(-len(running) // self.old_depth)  # twice the tokens one old-route wave adds: always gains
         entries, tokens, budget = [], [], max(self.rows, min(self.wave_tokens, gain))
+        if final:
+            budget = sum(seq.num_computed for seq in running)
         for seq in running:
-            if budget < 1 or len(entries) >= self.max_entries:
+            if budget < 1 or (len(entries) >= self.max_entries and not final):
                 break
             if seq.seq_id in busy or seq.seq_id in self.no_room:
                 continue
@@ -155,6 +167,26 @@ class CatchUp:
         self.waves += 1
         return self._release_dropped(plan)
 
+    def skip(self, plan: WavePlan) -> tuple[int, ...]:
+        """A plan was not carried out (an old station could not export): its shadows stay where they were (the
+        reserved blocks stay theirs, to be filled by a later plan). Returns the seq ids forgotten meanwhile."""
+        del self._in_flight[plan.wave_id]
+        return self._release_dropped(plan)
+
+    def defer_old(self, seq_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Of these sequences the old route is to release, those it may release now; the others are being
+        copied from the old stations and are released when their plan ends (`take_old_releases`)."""
+        busy = self._busy()
+        self._old_deferred.update(s for s in seq_ids if s in busy)
+        return tuple(s for s in seq_ids if s not in busy)
+
+    def take_old_releases(self) -> tuple[int, ...]:
+        """Deferred old-route releases no plan in flight holds any more; drains them."""
+        busy = self._busy()
+        out = tuple(s for s in self._old_deferred if s not in busy)
+        self._old_deferred.difference_update(out)
+        return out
+
     def abort(self, plan: WavePlan, error: str) -> tuple[int, ...]:
         """A catch-up wave failed (a new-route station): the catch-up is abandoned with `error`. Returns the seq
         ids forgotten meanwhile (as commit)."""
@@ -174,16 +206,16 @@ class CatchUp:
     def old_wave(self, seconds: float) -> None:
         """The old route committed a wave that took `seconds` from send to commit: the pacing. Where both routes
         share hardware a catch-up wave delays the old route's next one, so its wave time is the streams' token
-        gap. Catch-up waves start at MIN_ROWS rows; while the old route's waves stay within `slowdown` x their time
-        before the catch-up they grow by MIN_ROWS (up to `wave_tokens`), and a slower one cuts them by a quarter
-        (never below MIN_ROWS; `plan` takes at least twice what one old-route wave adds, so the catch-up always gains). On hardware of its own the catch-up slows nothing and
+        gap. Plans start at `step` rows (MIN_ROWS for waves); while the old route's waves stay within `slowdown` x their time
+        before the catch-up they grow by `step` (up to `wave_tokens`), and a slower one cuts them by a quarter
+        (never below `step`; `plan` takes at least twice what one old-route wave adds, so the catch-up always gains). On hardware of its own the catch-up slows nothing and
         soon runs at `wave_tokens`."""
         if self.baseline_s is None:
             return
         if seconds > self.slowdown * self.baseline_s:
             self.rows = max(self._floor, self.rows * 3 // 4)
         else:
-            self.rows = min(self.wave_tokens, self.rows + MIN_ROWS)
+            self.rows = min(self.wave_tokens, self.rows + self._step)
 
     def old_commit(self, seq_id: int) -> None:
         """The old route committed a token of `seq_id` while the catch-up ran."""

@@ -79,6 +79,7 @@ class Engine(RouteSwitching):
         self._switch_lock = threading.Lock()  # one route switch at a time
         self._catchup = None  # the CatchUp of a make-before-break switch under way
         self._catchup_pipeline = None  # its new route
+        self._catchup_copier = None  # its KVCopier (None: catch-up waves recompute the KV)
         self._catchup_waves: set[int] = set()  # wave ids of catch-up waves in flight (their replies skip the scheduler)
         self._sent: dict[int, float] = {}  # wave id -> when it entered the pipeline
         self._wave_seconds: deque = deque(maxlen=16)  # send-to-commit times of the latest decode-only waves (catch-up pacing)
@@ -340,5 +341,5 @@ class Engine(RouteSwitching):
 
     def _release(self, seq_ids) -> None:
         if seq_ids:
-            self.pipeline.release(tuple(seq_ids))
+            self.pipeline.release(self._old_releases(tuple(seq_ids)))
             self._catchup_forget(seq_ids)

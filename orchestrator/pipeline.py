@@ -40,6 +40,7 @@ class LinkKV:
     bytes_used: int
     bytes_total: int
     prefill_chunk_invariant: bool = False  # one chunk or several give a prompt the same KV bits (prefix reuse is exact)
+    dtype: str = "float32"  # the KV's dtype (a KV copy needs the same on both sides)
 
 
 class StationLink(Protocol):
@@ -58,6 +59,19 @@ class StationLink(Protocol):
 
     def kv(self) -> LinkKV:
         """KV geometry and occupancy (no call to the station)."""
+        ...
+
+    def layer_range(self) -> tuple[int, int]:
+        """The model layers [start, end) the station holds."""
+        ...
+
+    def export_kv(self, entries: tuple[WaveEntry, ...], layer_start: int,
+                  layer_end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [layers, rows, KVH, D] of the entries' positions in model layers [layer_start, layer_end)."""
+        ...
+
+    def import_kv(self, entries: tuple[WaveEntry, ...], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K, V [the station's layers, rows, KVH, D] copied from other stations at the entries' positions."""
         ...
 
     def health(self) -> bool:
@@ -95,7 +109,19 @@ class LocalLink:
         """The station's KV pool figures."""
         s = self.station.kv.stats()
         return LinkKV(s.blocks_total, s.block_tokens, s.bytes_used, s.bytes_total,
-                      self.station.prefill_chunk_invariant)
+                      self.station.prefill_chunk_invariant, self.station.spec.dtype)
+
+    def layer_range(self) -> tuple[int, int]:
+        """The station's layers."""
+        return tuple(self.station.spec.layers)
+
+    def export_kv(self, entries, layer_start, layer_end) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy KV out of the in-process station."""
+        return self.station.export_kv(entries, layer_start, layer_end)
+
+    def import_kv(self, entries, k, v) -> None:
+        """Store copied KV in the in-process station."""
+        self.station.import_kv(entries, k, v)
 
     def health(self) -> bool:
         """An in-process station serves as long as this process does, until the link is closed."""

@@ -5,6 +5,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import grpc
+import torch
 
 from mesh.core.transport import StationTls
 from mesh.core.wave import StationOutput
@@ -68,7 +69,21 @@ class RemoteLink:
         info, usage = self._info, self.client.kv_usage
         used = info.kv_bytes_used if usage is None else usage.bytes_used
         return LinkKV(info.kv_blocks_total, info.block_tokens, used, info.kv_bytes_total,
-                      info.prefill_chunk_invariant)
+                      info.prefill_chunk_invariant, info.dtype)
+
+    def layer_range(self) -> tuple[int, int]:
+        """The layers the station reported at connect."""
+        return self._info.layer_start, self._info.layer_end
+
+    def export_kv(self, entries, layer_start, layer_end) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy KV out of the remote station; StationDown when it failed the call."""
+        info = self._info
+        return self._wave(lambda: self.client.export_kv(entries, layer_start, layer_end, dtype=info.dtype,
+                                                        kv_heads=info.kv_heads, head_dim=info.head_dim))
+
+    def import_kv(self, entries, k, v) -> None:
+        """Store copied KV in the remote station; StationDown when it failed the call."""
+        self._wave(lambda: self.client.import_kv(entries, k, v))
 
     def health(self) -> bool:
         """True when the station's gRPC health says SERVING (its forward-path probe passes) within the deadline."""

@@ -181,7 +181,8 @@ class Scheduler:
               no_room: set[int]) -> tuple[tuple[int, ...], dict[int, int]]:
         """Move to a new route whose KV a catch-up built (no wave may be in flight): each running sequence takes
         its shadow's block table and computed tokens (none if it has no shadow); those in `no_room` go back to
-        the queue to be re-prefilled there. Returns the seq ids whose KV the old stations must release, and per
+        the queue to be re-prefilled there. A sequence whose shadow holds all its computed tokens (a KV copy) keeps
+        its history and replay as they were. Returns the seq ids whose KV the old stations must release, and per
         moved sequence the tokens it has left to compute on the new route."""
         if self._in_flight:
             raise RuntimeError(f"adopt with {len(self._in_flight)} waves in flight")
@@ -194,9 +195,11 @@ class Scheduler:
             shadow = shadows.get(seq.seq_id)
             if shadow is not None and shadow.num_computed > seq.num_computed:
                 raise RuntimeError(f"seq {seq.seq_id}: its new-route KV is not a prefix of its old-route KV")
+            caught_up = shadow is not None and shadow.num_computed == seq.num_computed
             seq.table, seq.block_names = (shadow.table, []) if shadow else ([], [])
-            seq.num_computed = shadow.num_computed if shadow else 0
-            seq.history, seq.replay = list(shadow.history) if shadow else [], []  # chunk-invariant: any cut
+            if not caught_up:  # a residual chunk follows: exact only where any cut gives the same KV
+                seq.num_computed = shadow.num_computed if shadow else 0
+                seq.history, seq.replay = list(shadow.history) if shadow else [], []
             residual[seq.seq_id] = seq.num_pending
         self.limits, self._ledger = limits, ledger
         return tuple(released), residual

@@ -27,6 +27,7 @@ from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
 from mesh.core.wave import KVUsage, StationOutput, WaveEntry, wave_rows
 from mesh.core.wire import WireError, encode_forward, proto_to_samples, proto_to_tensor
+from mesh.core.wire_kv import encode_export, encode_import, kv_rows_from_proto
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
 
@@ -61,7 +62,7 @@ def station_channel(address: str, max_message_bytes: int, tls: StationTls | None
 
 
 class StationClient:
-    """Typed Forward / Release / Info / health calls to the station at `address` ("host:port")."""
+    """Typed Forward / Release / ExportKV / ImportKV / Info / health calls to the station at `address`."""
 
     def __init__(self, address: str, timeout_s: float = 30.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  *, hidden_size: int | None = None, vocab_size: int | None = None, token: str | None = None,
@@ -132,12 +133,25 @@ class StationClient:
         self._note_kv(reply)
         return reply.released
 
+    def export_kv(self, entries: Sequence[WaveEntry], layer_start: int, layer_end: int, *, dtype: str,
+                  kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [layer_end - layer_start, rows, kv_heads, head_dim] of the entries' positions (checked against
+        the shape and `dtype` given)."""
+        reply = self._call("ExportKV", self._stub.ExportKV, encode_export(entries, layer_start, layer_end))
+        self._note_kv(reply)
+        shape = (layer_end - layer_start, wave_rows(tuple(entries)), kv_heads, head_dim)
+        return kv_rows_from_proto(reply.k, reply.v, dtype=dtype, shape=shape)
+
+    def import_kv(self, entries: Sequence[WaveEntry], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K, V [the station's layers, rows, kv_heads, head_dim] at the entries' positions."""
+        self._note_kv(self._call("ImportKV", self._stub.ImportKV, encode_import(entries, k, v)))
+
     @property
     def kv_usage(self) -> KVUsage | None:
         """The newest KV occupancy the station reported with a Forward or Release reply (None before any)."""
         return self._kv_usage
 
-    def _note_kv(self, reply: pb.ForwardReply | pb.ReleaseReply) -> None:
+    def _note_kv(self, reply: pb.ForwardReply | pb.ReleaseReply | pb.ExportKVReply | pb.ImportKVReply) -> None:
         """Validate the reply's `kv` field and keep it when it is newer than the last report."""
         if not reply.HasField("kv"):
             raise WireError("kv: the reply carries no KV occupancy")

@@ -27,6 +27,10 @@ class KVBudgetError(RuntimeError):
     """The KV budget cannot hold what a wave asks for."""
 
 
+class StepError(ValueError):
+    """A wave (or a KV copy) is malformed: the message names the entry and field."""
+
+
 @dataclass(frozen=True, slots=True)
 class KVStats:
     """Occupancy of a station's KV pool."""

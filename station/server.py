@@ -39,6 +39,7 @@ from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
 from mesh.core.transport import StationTls, host_port
 from mesh.core.wire import WireError, decode_forward, decode_relay, samples_to_proto, tensor_to_proto
+from mesh.core.wire_kv import MAX_COPY_BYTES, decode_export, decode_import
 from station.interceptors import SERVICE_NAME, StrictDecode, TokenAuth
 from station.kv import KVBudgetError
 from station.probe import HealthProbe, ProbeConfig
@@ -72,12 +73,15 @@ class ServerLimits:
         if not (isinstance(self.headroom_bytes, int) and self.headroom_bytes >= 0):
             raise ConfigError(f"server.headroom_bytes must be >= 0, got {self.headroom_bytes!r}")
 
-    def message_bytes(self, hidden_size: int) -> int:
-        """Largest message either way: a full wave of float32 hidden rows, token ids, entries and samples."""
+    def message_bytes(self, hidden_size: int, kv_row_bytes: int = 0) -> int:
+        """Largest message either way: a full wave of float32 hidden rows, token ids, entries and samples, or a
+        KV copy of max_rows rows of `kv_row_bytes` each (K and V of every layer; at most MAX_COPY_BYTES, as the
+        orchestrator cuts copies), whichever is larger."""
         hidden = self.max_rows * hidden_size * DTYPE_BYTES["float32"]
         ids = self.max_rows * 10  # a varint int32 takes at most 10 bytes
         per_entry = self.max_entries * 512  # an entry, or a sample with up to 20 top logprobs
-        return min(GRPC_MAX_MESSAGE, hidden + ids + per_entry + self.headroom_bytes)
+        copy = min(MAX_COPY_BYTES, self.max_rows * kv_row_bytes)
+        return min(GRPC_MAX_MESSAGE, max(hidden + ids, copy) + per_entry + self.headroom_bytes)
 
 
 class StationBusy(RuntimeError):
@@ -85,7 +89,7 @@ class StationBusy(RuntimeError):
 
 
 class StationServicer(station_pb2_grpc.StationServicer):
-    """Forward / Release / Info over one Station; error classes map to status codes."""
+    """Forward / Release / ExportKV / ImportKV / Info over one Station; error classes map to status codes."""
 
     def __init__(self, station: Station, limits: ServerLimits, metrics_address: str = "",
                  successors: Successors | None = None) -> None:
@@ -180,6 +184,28 @@ class StationServicer(station_pb2_grpc.StationServicer):
 
         return self._guarded(context, "Release", run)
 
+    def ExportKV(self, request: pb.ExportKVRequest, context: grpc.ServicerContext) -> pb.ExportKVReply:
+        """K and V of resident sequences' positions in some of this station's layers (a route switch's copy)."""
+        def run() -> pb.ExportKVReply:
+            entries, lo, hi = decode_export(request, max_entries=self.limits.max_entries,
+                                            max_rows=self.limits.max_rows)
+            (k, v), kv = self._exclusive(lambda: (self.station.export_kv(entries, lo, hi), kv_usage_proto(self.station)))
+            return pb.ExportKVReply(k=tensor_to_proto(k), v=tensor_to_proto(v), kv=kv)
+
+        return self._guarded(context, "ExportKV", run)
+
+    def ImportKV(self, request: pb.ImportKVRequest, context: grpc.ServicerContext) -> pb.ImportKVReply:
+        """Store KV copied from other stations, every layer of this station, as a Forward would have."""
+        def run() -> pb.ImportKVReply:
+            st, cfg = self.station, self.station.config
+            entries, k, v = decode_import(request, dtype=st.spec.dtype, layers=st.spec.end - st.spec.start,
+                                          kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                          max_entries=self.limits.max_entries, max_rows=self.limits.max_rows)
+            kv = self._exclusive(lambda: (st.import_kv(entries, k, v), kv_usage_proto(st))[1])
+            return pb.ImportKVReply(kv=kv)
+
+        return self._guarded(context, "ImportKV", run)
+
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
         """What the station holds and how full its KV is (lock-free: answers during a forward)."""
         return self._guarded(context, "Info", lambda: info_reply(self.station, self.metrics_address))
@@ -201,7 +227,8 @@ def info_reply(station: Station, metrics_address: str = "") -> pb.InfoReply:
         kv_bytes_used=stats.kv.bytes_used, kv_bytes_total=stats.kv.bytes_total, sequences=stats.kv.sequences,
         block_tokens=stats.kv.block_tokens, kv_blocks_total=stats.kv.blocks_total,
         kv_blocks_used=stats.kv.blocks_used, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-        metrics_address=metrics_address, prefill_chunk_invariant=station.prefill_chunk_invariant)
+        metrics_address=metrics_address, prefill_chunk_invariant=station.prefill_chunk_invariant,
+        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
 
 
 class StationServer:
@@ -250,7 +277,9 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
     certificate for both sides, as `mesh up` deploys; give the orchestrator's client material where station
     certificates are for serving only). Relayed calls carry `token` too.
     """
-    size = limits.message_bytes(station.config.hidden_size)
+    cfg = station.config
+    kv_row = 2 * (station.spec.end - station.spec.start) * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[station.spec.dtype]
+    size = limits.message_bytes(cfg.hidden_size, kv_row)
     options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
                ("grpc.so_reuseport", 0)]  # a port taken by another process is an error, not shared
     interceptors = ([TokenAuth(token)] if token is not None else []) + [StrictDecode()]

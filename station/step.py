@@ -22,15 +22,12 @@ from mesh.core.model.kernels import resolve_linear_backend, use_linear_backend
 from mesh.core.model.loader import TORCH_DTYPES, load_range
 from mesh.core.sampling import sample_tokens
 from mesh.core.wave import KVUsage, StationOutput, WaveEntry, wave_rows
-from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats
+from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats, StepError
+from station.kv_copy import export_rows, import_rows
 from station.native_attention import NativeWaveAttention
 
 
 PROBE_SEQ_ID = 2**64  # one past the wire's largest seq_id (uint64): no client sequence can be the probe
-
-
-class StepError(ValueError):
-    """A wave is malformed: the message names the entry and field."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +220,26 @@ class Station:
 
     def _validate(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor | None,
                   hidden: torch.Tensor | None) -> torch.Tensor:
+        self._check_entries(entries)
+        rows = wave_rows(entries)
+        if self.is_first:
+            if token_ids is None or hidden is not None:
+                raise StepError("token_ids: the first station takes token ids, not hidden rows")
+            if token_ids.dtype not in (torch.int64, torch.int32) or tuple(token_ids.shape) != (rows,):
+                raise StepError(f"token_ids: expected int64 [{rows}], got {token_ids.dtype} {list(token_ids.shape)}")
+            if rows and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
+                raise StepError(f"token_ids: ids must lie in [0, {self.config.vocab_size})")
+            return token_ids.to(self.device, torch.long)
+        if hidden is None or token_ids is not None:
+            raise StepError(f"hidden: station [{self.spec.start}, {self.spec.end}) takes hidden rows, not token ids")
+        want = (rows, self.config.hidden_size)
+        if tuple(hidden.shape) != want or hidden.dtype != self.dtype:
+            raise StepError(f"hidden: expected {self.spec.dtype} {list(want)}, got "
+                            f"{str(hidden.dtype).removeprefix('torch.')} {list(hidden.shape)}")
+        return hidden.to(self.device)
+
+    def _check_entries(self, entries: tuple[WaveEntry, ...]) -> None:
+        """Each entry continues its sequence where the station's KV ends, with a table it may write."""
         if not entries:
             raise StepError("entries: a wave needs at least one entry")
         seen = set()
@@ -247,22 +264,6 @@ class Station:
                 raise StepError(f"entries[{i}]: position {e.end_pos} exceeds the model context "
                                 f"({self.config.max_position_embeddings})")
         self._check_writes(entries)
-        rows = wave_rows(entries)
-        if self.is_first:
-            if token_ids is None or hidden is not None:
-                raise StepError("token_ids: the first station takes token ids, not hidden rows")
-            if token_ids.dtype not in (torch.int64, torch.int32) or tuple(token_ids.shape) != (rows,):
-                raise StepError(f"token_ids: expected int64 [{rows}], got {token_ids.dtype} {list(token_ids.shape)}")
-            if rows and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
-                raise StepError(f"token_ids: ids must lie in [0, {self.config.vocab_size})")
-            return token_ids.to(self.device, torch.long)
-        if hidden is None or token_ids is not None:
-            raise StepError(f"hidden: station [{self.spec.start}, {self.spec.end}) takes hidden rows, not token ids")
-        want = (rows, self.config.hidden_size)
-        if tuple(hidden.shape) != want or hidden.dtype != self.dtype:
-            raise StepError(f"hidden: expected {self.spec.dtype} {list(want)}, got "
-                            f"{str(hidden.dtype).removeprefix('torch.')} {list(hidden.shape)}")
-        return hidden.to(self.device)
 
     def _check_writes(self, entries: tuple[WaveEntry, ...]) -> None:
         """No block is written by one entry of the wave and held by another entry's table."""
@@ -293,6 +294,21 @@ class Station:
              else torch.zeros(1, self.config.hidden_size, dtype=self.dtype)).to(self.device)  # [1] or [1, d]
         with self.kv.spare(PROBE_SEQ_ID), torch.inference_mode():
             self._compute((WaveEntry(PROBE_SEQ_ID, 0, 1),), x, want_logits=False)
+
+    def export_kv(self, entries: tuple[WaveEntry, ...], layer_start: int,
+                  layer_end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [start_pos, end_pos) of each entry's resident sequence in model layers
+        [layer_start, layer_end): each [layers, rows, KVH, D] (station.kv_copy); StepError when not held."""
+        return on_compute_thread(export_rows, self, entries, layer_start, layer_end)
+
+    def import_kv(self, entries: tuple[WaveEntry, ...], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V [this station's layers, rows, KVH, D] copied from other stations at the entries' positions,
+        as a Forward of those entries would have (checked the same way)."""
+        on_compute_thread(self._import_kv, entries, k, v)
+
+    def _import_kv(self, entries: tuple[WaveEntry, ...], k: torch.Tensor, v: torch.Tensor) -> None:
+        import_rows(self, entries, k, v)
+        self._kv_changes += 1
 
     def release(self, seq_ids: list[int] | tuple[int, ...]) -> int:
         """Free the KV of these sequences; returns how many were resident."""

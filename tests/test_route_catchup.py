@@ -70,13 +70,15 @@ class _Follower:
         assert not any(t.is_alive() for t in self.threads)
 
 
-def test_scale_1_2_3_1_catches_up_while_decoding(tiny_llama, reference):
+@pytest.mark.parametrize("source", ["copy", "recompute"])
+def test_scale_1_2_3_1_catches_up_while_decoding(tiny_llama, reference, source):
     """1 -> 2 -> 3 -> 1 mid-stream, 8 greedy + 8 seeded streams of 300-token prompts: identical tokens; while each
     new route caught up the old one committed tokens of every stream, and at each switch every sequence had at
     most one short chunk left (all of them together within one wave)."""
     prompts, params = _jobs(max_tokens=MAX_TOKENS)
     cfg = ModelConfig.from_dir(tiny_llama)
-    sched = SchedulerConfig(max_seqs=16, max_wave_tokens=512, catchup_wave_tokens=96, catchup_slowdown=0)
+    sched = SchedulerConfig(max_seqs=16, max_wave_tokens=512, catchup_wave_tokens=96, catchup_slowdown=0,
+                            catchup_kv=source)
     engine = Engine(_links(tiny_llama, ((0, 6),)), cfg, sched)
     try:
         follow = _Follower([engine.submit(p, sp) for p, sp in zip(prompts, params)])
@@ -91,10 +93,12 @@ def test_scale_1_2_3_1_catches_up_while_decoding(tiny_llama, reference):
             print(f"\nswitch to {len(ranges)} station(s): catch-up {report.catchup_seconds * 1e3:.0f} ms, "
                   f"{report.catchup_waves} waves, {report.catchup_tokens} tokens; pause {report.pause_seconds * 1e3:.1f} ms;"
                   f" residual max {max(report.residual.values())}; engine pause {engine.switch_pauses.pauses[-1:]}")
-            assert report.mode == "catchup" and report.replayed == () and len(live) == 16
+            assert report.mode == "catchup" and report.kv_source == source and report.replayed == () and len(live) == 16
             assert all(report.decoded_during_catchup.get(s, 0) >= 1 for s in live), report.decoded_during_catchup
             old_depth = 1 if step == 0 else len(routes[step - 1])
-            limit = 16 + old_depth + 1  # the loosest lag limit + the drained waves + the sampled one
+            # a copy ends with the rest copied after the drain: the sampled token alone; a recompute leaves at
+            # most the loosest lag limit + the drained waves + the sampled one
+            limit = 1 if source == "copy" else 16 + old_depth + 1
             assert max(report.residual.values()) <= limit and sum(report.residual.values()) <= sched.max_wave_tokens
         follow.join()
         assert follow.tokens == reference
@@ -159,13 +163,15 @@ def test_station_in_both_routes_and_pause_setting_use_pause_and_re_prefill(tiny_
             engine.close()
 
 
-def test_catchup_past_its_deadline_is_abandoned_and_the_old_route_serves_on(tiny_llama, reference):
+@pytest.mark.parametrize("source", ["copy", "recompute"])
+def test_catchup_past_its_deadline_is_abandoned_and_the_old_route_serves_on(tiny_llama, reference, source):
     """A re-plan whose new route has not caught up by the deadline raises CatchUpFailed naming it; the old route
     never stopped, and every token is unchanged."""
     prompts, params = _jobs(max_tokens=MAX_TOKENS)
     cfg = ModelConfig.from_dir(tiny_llama)
     old = _links(tiny_llama, ((0, 6),))
-    engine = Engine(old, cfg, SchedulerConfig(max_seqs=16, max_wave_tokens=512, catchup_wave_tokens=16))
+    engine = Engine(old, cfg, SchedulerConfig(max_seqs=16, max_wave_tokens=512, catchup_wave_tokens=16,
+                                              catchup_copy_tokens=16, catchup_kv=source))
     try:
         follow = _Follower([engine.submit(p, sp) for p, sp in zip(prompts, params)])
         follow.wait(5)
@@ -185,21 +191,34 @@ class _Failing(LocalLink):
         super().__init__(station)
         self.armed = threading.Event()
 
-    def forward(self, wave_id, entries, token_ids, hidden):
+    def _check(self):
         if self.armed.is_set():
             raise StationDown("station lost (test)")
+
+    def forward(self, wave_id, entries, token_ids, hidden):
+        self._check()
         return super().forward(wave_id, entries, token_ids, hidden)
 
+    def export_kv(self, entries, layer_start, layer_end):
+        self._check()
+        return super().export_kv(entries, layer_start, layer_end)
 
+    def import_kv(self, entries, k, v):
+        self._check()
+        super().import_kv(entries, k, v)
+
+
+@pytest.mark.parametrize("source", ["copy", "recompute"])
 @pytest.mark.parametrize("which", ["new", "old"])
-def test_station_lost_during_catchup(tiny_llama, reference, which):
+def test_station_lost_during_catchup(tiny_llama, reference, which, source):
     """A new-route station lost mid catch-up: the catch-up is abandoned, the call says why, the old route serves
     on. An old-route station lost mid catch-up: the switch happens at once. Either way every token is unchanged.
     (The same with SIGKILLed station processes: tests/test_route_catchup_ray.py.)"""
     prompts, params = _jobs(max_tokens=MAX_TOKENS)
     cfg = ModelConfig.from_dir(tiny_llama)
     old = [_Failing(Station(tiny_llama, StationSpec(layers=(0, 6), kv_bytes=KV)))]
-    engine = Engine(old, cfg, SchedulerConfig(max_seqs=16, max_wave_tokens=512, catchup_wave_tokens=16))
+    engine = Engine(old, cfg, SchedulerConfig(max_seqs=16, max_wave_tokens=512, catchup_wave_tokens=16,
+                                              catchup_copy_tokens=16, catchup_kv=source))
     try:
         follow = _Follower([engine.submit(p, sp) for p, sp in zip(prompts, params)])
         new = [_Failing(Station(tiny_llama, StationSpec(layers=r, kv_bytes=KV))) for r in ((0, 3), (3, 6))]

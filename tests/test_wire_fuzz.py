@@ -32,7 +32,8 @@ from station.step import Station
 
 HIDDEN, VOCAB = 64, 512  # the tiny preset
 LIMITS = ServerLimits(max_entries=16, max_rows=64, max_workers=4, max_pending=2, headroom_bytes=0)
-MAX_MESSAGE = LIMITS.message_bytes(HIDDEN)
+KV_ROW = 2 * 3 * 2 * 16 * 4  # K and V of one position in a station's 3 layers (2 KV heads of 16, float32)
+MAX_MESSAGE = LIMITS.message_bytes(HIDDEN, KV_ROW)
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 RSS_GROWTH_BOUND = 300 * 2**20
 FUZZ = settings(max_examples=300, deadline=None, database=None, derandomize=True,

@@ -271,6 +271,7 @@ class StationSpec:
 
 HIDDEN_PATHS = ("direct", "hub")  # how hidden rows go from station to station (orchestrator/relay.py)
 ROUTE_SWITCHES = ("catchup", "pause")  # how a live route moves onto new stations (orchestrator/catchup.py)
+CATCHUP_SOURCES = ("copy", "recompute")  # where a catch-up gets the new route's KV (orchestrator/kv_move.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,12 +288,14 @@ class SchedulerConfig:
     prefix_cache: bool = True  # reuse committed KV blocks of shared prompt prefixes (where the stations make it exact)
     hidden_path: str = "direct"  # "direct": station to station (gRPC stations); "hub": through the orchestrator
     route_switch: str = "catchup"  # "catchup": build the new route's KV while the old one decodes; "pause": stop and re-prefill
+    catchup_kv: str = "copy"  # "copy": the old stations' KV is copied to the new ones; "recompute": the new ones prefill it
+    catchup_copy_tokens: int = 1024  # most positions one KV copy of a catch-up moves (paced like the waves, in 1/16 steps)
     catchup_wave_tokens: int = 256  # most rows of one catch-up wave (paced down while it slows the old route's waves)
     catchup_slowdown: float = 1.75  # catch-up waves shrink while the old route's waves take longer than this x before; 0: unpaced
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_wave_tokens", "max_queue", "short_prompt_tokens", "max_skips",
-                     "catchup_wave_tokens"):
+                     "catchup_wave_tokens", "catchup_copy_tokens"):
             v = getattr(self, name)
             _require(is_int(v) and v > 0, f"scheduler.{name} must be a positive integer, got {v!r}")
         _require(isinstance(self.prefix_cache, bool), f"scheduler.prefix_cache must be true or false, got {self.prefix_cache!r}")
@@ -303,6 +306,8 @@ class SchedulerConfig:
         _require(isinstance(self.catchup_slowdown, (int, float)) and not isinstance(self.catchup_slowdown, bool)
                  and math.isfinite(self.catchup_slowdown) and (self.catchup_slowdown == 0 or self.catchup_slowdown > 1),
                  f"scheduler.catchup_slowdown must be 0 (unpaced) or a number > 1, got {self.catchup_slowdown!r}")
+        _require(self.catchup_kv in CATCHUP_SOURCES,
+                 f"scheduler.catchup_kv must be one of {list(CATCHUP_SOURCES)}, got {self.catchup_kv!r}")
         _require(self.route_switch in ROUTE_SWITCHES,
                  f"scheduler.route_switch must be one of {list(ROUTE_SWITCHES)}, got {self.route_switch!r}")
         _require(self.max_wave_tokens >= self.max_seqs,

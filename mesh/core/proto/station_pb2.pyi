@@ -146,12 +146,48 @@ class ReleaseReply(_message.Message):
     kv: KVUsage
     def __init__(self, released: _Optional[int] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
 
+class ExportKVRequest(_message.Message):
+    __slots__ = ("entries", "layer_start", "layer_end")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[Entry]
+    layer_start: int
+    layer_end: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
+class ExportKVReply(_message.Message):
+    __slots__ = ("k", "v", "kv")
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    k: Tensor
+    v: Tensor
+    kv: KVUsage
+    def __init__(self, k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
+
+class ImportKVRequest(_message.Message):
+    __slots__ = ("entries", "k", "v")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[Entry]
+    k: Tensor
+    v: Tensor
+    def __init__(self, entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ImportKVReply(_message.Message):
+    __slots__ = ("kv",)
+    KV_FIELD_NUMBER: _ClassVar[int]
+    kv: KVUsage
+    def __init__(self, kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "layer_start", "layer_end", "num_layers", "device", "dtype", "kv_bytes_used", "kv_bytes_total", "sequences", "block_tokens", "kv_blocks_total", "kv_blocks_used", "hidden_size", "vocab_size", "metrics_address", "prefill_chunk_invariant")
+    __slots__ = ("model", "layer_start", "layer_end", "num_layers", "device", "dtype", "kv_bytes_used", "kv_bytes_total", "sequences", "block_tokens", "kv_blocks_total", "kv_blocks_used", "hidden_size", "vocab_size", "metrics_address", "prefill_chunk_invariant", "kv_heads", "head_dim")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +204,8 @@ class InfoReply(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_INVARIANT_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     model: str
     layer_start: int
     layer_end: int
@@ -184,4 +222,6 @@ class InfoReply(_message.Message):
     vocab_size: int
     metrics_address: str
     prefill_chunk_invariant: bool
-    def __init__(self, model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_total: _Optional[int] = ..., sequences: _Optional[int] = ..., block_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., metrics_address: _Optional[str] = ..., prefill_chunk_invariant: _Optional[bool] = ...) -> None: ...
+    kv_heads: int
+    head_dim: int
+    def __init__(self, model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_total: _Optional[int] = ..., sequences: _Optional[int] = ..., block_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., metrics_address: _Optional[str] = ..., prefill_chunk_invariant: _Optional[bool] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...

@@ -49,6 +49,16 @@ class StationStub:
                 request_serializer=wavemesh_dot_v1_dot_station__pb2.InfoRequest.SerializeToString,
                 response_deserializer=wavemesh_dot_v1_dot_station__pb2.InfoReply.FromString,
                 _registered_method=True)
+        self.ExportKV = channel.unary_unary(
+                '/wavemesh.v1.Station/ExportKV',
+                request_serializer=wavemesh_dot_v1_dot_station__pb2.ExportKVRequest.SerializeToString,
+                response_deserializer=wavemesh_dot_v1_dot_station__pb2.ExportKVReply.FromString,
+                _registered_method=True)
+        self.ImportKV = channel.unary_unary(
+                '/wavemesh.v1.Station/ImportKV',
+                request_serializer=wavemesh_dot_v1_dot_station__pb2.ImportKVRequest.SerializeToString,
+                response_deserializer=wavemesh_dot_v1_dot_station__pb2.ImportKVReply.FromString,
+                _registered_method=True)
 
 
 class StationServicer:
@@ -75,6 +85,20 @@ class StationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportKV(self, request, context):
+        """Copy the KV of resident sequences out (a route switch moves live sequences onto new stations).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportKV(self, request, context):
+        """Store KV copied from other stations, as a Forward of the same entries would have computed it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +116,16 @@ def add_StationServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=wavemesh_dot_v1_dot_station__pb2.InfoRequest.FromString,
                     response_serializer=wavemesh_dot_v1_dot_station__pb2.InfoReply.SerializeToString,
+            ),
+            'ExportKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportKV,
+                    request_deserializer=wavemesh_dot_v1_dot_station__pb2.ExportKVRequest.FromString,
+                    response_serializer=wavemesh_dot_v1_dot_station__pb2.ExportKVReply.SerializeToString,
+            ),
+            'ImportKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportKV,
+                    request_deserializer=wavemesh_dot_v1_dot_station__pb2.ImportKVRequest.FromString,
+                    response_serializer=wavemesh_dot_v1_dot_station__pb2.ImportKVReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +209,60 @@ class Station:
             '/wavemesh.v1.Station/Info',
             wavemesh_dot_v1_dot_station__pb2.InfoRequest.SerializeToString,
             wavemesh_dot_v1_dot_station__pb2.InfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wavemesh.v1.Station/ExportKV',
+            wavemesh_dot_v1_dot_station__pb2.ExportKVRequest.SerializeToString,
+            wavemesh_dot_v1_dot_station__pb2.ExportKVReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wavemesh.v1.Station/ImportKV',
+            wavemesh_dot_v1_dot_station__pb2.ImportKVRequest.SerializeToString,
+            wavemesh_dot_v1_dot_station__pb2.ImportKVReply.FromString,
             options,
             channel_credentials,
             insecure,
