@@ -74,7 +74,7 @@ class Engine(RouteSwitching):
         self.recovery_seconds: list[float] = []  # how long each recovery took
         self.switch_pauses = SwitchPauses()  # how long each route switch held the live streams
         self.switch_reports: list = []  # one SwitchReport per finished route switch
-        self.catchup_tokens = 0  # tokens whose KV catch-up waves built on new routes
+        self.catchup_tokens = 0  # tokens whose KV catch-ups copied or recomputed on new routes
         self.replayed_sequences = 0  # sequences a route switch moved by re-prefill (pause switches, no room)
         self._switch_lock = threading.Lock()  # one route switch at a time
         self._catchup = None  # the CatchUp of a make-before-break switch under way

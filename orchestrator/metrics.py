@@ -84,7 +84,7 @@ class _EngineCollector(Collector):
                     ("prefix_cache_hits", s.prefix_cache_hits, "Prompt tokens found in the prefix cache."),
                     ("route_switches", s.route_switches, "Route switches begun (mesh scale, add-station)."),
                     ("route_catchup_tokens", s.route_catchup_tokens,
-                     "Tokens whose KV catch-up waves built on a new route while the old one decoded."),
+                     "Tokens whose KV a catch-up copied to or recomputed on a new route while the old one decoded."),
                     ("route_replayed_sequences", s.route_replayed_sequences,
                      "Sequences a route switch moved by pause and re-prefill (no room on the new route, or a "
                      "switch that could not catch up)."),

@@ -138,5 +138,5 @@ class EngineStats:
     route_switch_pauses: tuple[float, ...] = ()  # per switch: the longest wait of a live stream for its next token
     route_error: str | None = None  # set while a lost station is not back (new requests get 503)
     route_catchup: CatchUpProgress | None = None  # a make-before-break switch under way, else None
-    route_catchup_tokens: int = 0  # tokens whose KV catch-up waves built on a new route, all switches
+    route_catchup_tokens: int = 0  # tokens whose KV catch-ups copied or recomputed on a new route, all switches
     route_replayed_sequences: int = 0  # sequences moved by pause-and-re-prefill instead (fallback or setting)
