@@ -67,7 +67,8 @@ class SimulatedStation:
         self.sim = model
         self.spec = StationSpec(layers=layers, dtype=model.dtype)
         self.config = SimpleNamespace(hidden_size=model.hidden_size, vocab_size=model.vocab_size,
-                                      num_hidden_layers=model.num_layers)
+                                      num_hidden_layers=model.num_layers,
+                                      num_key_value_heads=0, head_dim=0)  # holds no KV: nothing to copy
         self.model_dir = Path(f"SIMULATED-{model.num_layers}L-{model.hidden_size}")
         self.prefill_chunk_invariant = False  # no prefix cache over a simulation: every prompt is computed
         self._dtype = getattr(torch, model.dtype)

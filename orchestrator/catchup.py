@@ -84,7 +84,6 @@ class CatchUp:
         self._in_flight: dict[int, WavePlan] = {}
         self._dropped: dict[int, Sequence] = {}  # forgotten while in a catch-up wave: released when it ends
         self._releases: list[int] = []  # new-route KV to release before the next catch-up wave
-        self._old_deferred: set[int] = set()  # old-route releases held back while a copy reads those sequences
         self.decoded: dict[int, int] = {}  # seq id -> old-route tokens committed during the catch-up
         self.waves = self.tokens = 0
         self.closing = False  # ready reached (or given up): no more catch-up waves
@@ -173,19 +172,10 @@ class CatchUp:
         del self._in_flight[plan.wave_id]
         return self._release_dropped(plan)
 
-    def defer_old(self, seq_ids: tuple[int, ...]) -> tuple[int, ...]:
-        """Of these sequences the old route is to release, those it may release now; the others are being
-        copied from the old stations and are released when their plan ends (`take_old_releases`)."""
-        busy = self._busy()
-        self._old_deferred.update(s for s in seq_ids if s in busy)
-        return tuple(s for s in seq_ids if s not in busy)
-
-    def take_old_releases(self) -> tuple[int, ...]:
-        """Deferred old-route releases no plan in flight holds any more; drains them."""
-        busy = self._busy()
-        out = tuple(s for s in self._old_deferred if s not in busy)
-        self._old_deferred.difference_update(out)
-        return out
+    def forgotten(self, seq_id: int) -> bool:
+        """True if `seq_id` left the old route while a plan holding it is in flight (any thread may ask: a KV
+        copy drops such a sequence from its plan when an old station no longer holds it)."""
+        return seq_id in self._dropped
 
     def abort(self, plan: WavePlan, error: str) -> tuple[int, ...]:
         """A catch-up wave failed (a new-route station): the catch-up is abandoned with `error`. Returns the seq

@@ -341,5 +341,5 @@ class Engine(RouteSwitching):
 
     def _release(self, seq_ids) -> None:
         if seq_ids:
-            self.pipeline.release(self._old_releases(tuple(seq_ids)))
+            self.pipeline.release(tuple(seq_ids))
             self._catchup_forget(seq_ids)

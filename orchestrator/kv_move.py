@@ -18,7 +18,7 @@ import torch
 
 from mesh.core.wave import WaveEntry
 from mesh.core.wire_kv import MAX_COPY_BYTES, MAX_COPY_ROWS
-from orchestrator.pipeline import StationLink
+from orchestrator.pipeline import StationLink, release_at
 from orchestrator.scheduler_types import WavePlan
 
 
@@ -29,7 +29,7 @@ class CopySourceFailed(RuntimeError):
 def can_copy(old: list[StationLink], new: list[StationLink]) -> str | None:
     """Why KV cannot be copied from `old` to `new` (None: it can): every link copies KV, one dtype on both sides."""
     for link in (*old, *new):
-        if not all(hasattr(link, name) for name in ("export_kv", "import_kv", "layer_range")):
+        if not getattr(link, "copies_kv", False):
             return f"station {link.address} cannot export or import KV ({type(link).__name__})"
     dtypes = {link.kv().dtype for link in (*old, *new)}
     if len(dtypes) != 1:
@@ -56,7 +56,8 @@ def _pieces(entries: tuple[WaveEntry, ...], max_rows: int, block_tokens: int) ->
 
 
 class KVCopier:
-    """Copies catch-up plans' KV from `old` stations to `new` ones, one plan at a time on a worker thread."""
+    """Copies catch-up plans' KV from `old` stations to `new` ones, one plan at a time on a worker thread, in order
+    with the new stations' releases during the catch-up (a block the ledger gives again is free there first)."""
 
     depth = 1  # plans in flight: each already keeps both routes' stations busy in turn
 
@@ -69,6 +70,8 @@ class KVCopier:
         widest = max(hi - lo for lo, hi in (*self._old_ranges, *(link.layer_range() for link in new)))
         self.max_rows = max(1, min(MAX_COPY_ROWS, MAX_COPY_BYTES // (row_bytes * widest)))
         self.block_tokens = block_tokens
+        self.forgotten: Callable[[int], bool] = lambda seq_id: False  # left the old route meanwhile (CatchUp)
+        self.failed_releases = [0] * len(new)
         self._inbox: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="kv-copy", daemon=True)
         self._thread.start()
@@ -77,34 +80,67 @@ class KVCopier:
         """Copy `plan` on the worker; its result comes to `on_done`."""
         self._inbox.put(plan)
 
+    def release(self, seq_ids: tuple[int, ...]) -> None:
+        """Free these sequences' KV at the new stations, after the plans submitted before."""
+        if seq_ids:
+            self._inbox.put(tuple(seq_ids))
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until everything submitted so far is done; False on timeout."""
+        done = threading.Event()
+        self._inbox.put(done)
+        return done.wait(timeout)
+
     def close(self) -> None:
         """Stop the worker after what is queued."""
         self._inbox.put(None)
         self._thread.join(timeout=30)
 
     def _work(self) -> None:
-        while (plan := self._inbox.get()) is not None:
-            try:
-                self.copy(plan)
-            except BaseException as e:  # noqa: BLE001 - reported to the engine, which decides
-                self.on_done(plan, None, e)
-                continue
-            self.on_done(plan, None, None)
+        while (item := self._inbox.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()
+            elif isinstance(item, tuple):
+                for i, link in enumerate(self.new):
+                    release_at(link, item, i, self.failed_releases)
+            else:
+                try:
+                    self.copy(item)
+                except BaseException as e:  # noqa: BLE001 - reported to the engine, which decides
+                    self.on_done(item, None, e)
+                    continue
+                self.on_done(item, None, None)
 
     def copy(self, plan: WavePlan) -> None:
-        """Copy the plan's positions now (any thread). Raises CopySourceFailed when an old station failed, the
-        new station's error (StationDown, a refusal) when a new one did."""
-        for piece in _pieces(plan.entries, self.max_rows, self.block_tokens):
-            source = tuple(WaveEntry(e.seq_id, e.start_pos, e.n_tokens) for e in piece)
-            parts = []
-            for link, (lo, hi) in zip(self.old, self._old_ranges):
-                try:
-                    parts.append((lo, hi, *link.export_kv(source, lo, hi)))  # k, v [hi - lo, rows, KVH, D]
-                except Exception as e:
-                    raise CopySourceFailed(f"station {link.address} could not export KV: "
-                                           f"{type(e).__name__}: {e}") from e
+        """Copy the plan's positions now (any thread). Everything is exported before anything is imported: an
+        old station that no longer holds a sequence the old route let go meanwhile (`forgotten`) is asked again
+        without it. Raises CopySourceFailed when an old station failed, the new station's error when one did."""
+        entries = plan.entries
+        while entries:
+            try:
+                parts = [(piece, self._export(piece)) for piece in _pieces(entries, self.max_rows, self.block_tokens)]
+                break
+            except CopySourceFailed:
+                live = tuple(e for e in entries if not self.forgotten(e.seq_id))
+                if len(live) == len(entries):
+                    raise
+                entries = live
+        else:
+            return
+        for piece, exported in parts:
             for link in self.new:
                 lo, hi = link.layer_range()
-                k = torch.cat([pk[max(lo, a) - a:min(hi, b) - a] for a, b, pk, _ in parts if a < hi and b > lo])
-                v = torch.cat([pv[max(lo, a) - a:min(hi, b) - a] for a, b, _, pv in parts if a < hi and b > lo])
+                k = torch.cat([pk[max(lo, a) - a:min(hi, b) - a] for a, b, pk, _ in exported if a < hi and b > lo])
+                v = torch.cat([pv[max(lo, a) - a:min(hi, b) - a] for a, b, _, pv in exported if a < hi and b > lo])
                 link.import_kv(piece, k, v)  # [hi - lo, rows, KVH, D] each
+
+    def _export(self, piece: tuple[WaveEntry, ...]) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """(layer_start, layer_end, k, v) from every old station for the piece's positions."""
+        source = tuple(WaveEntry(e.seq_id, e.start_pos, e.n_tokens) for e in piece)
+        out = []
+        for link, (lo, hi) in zip(self.old, self._old_ranges):
+            try:
+                out.append((lo, hi, *link.export_kv(source, lo, hi)))  # k, v [hi - lo, rows, KVH, D]
+            except Exception as e:
+                raise CopySourceFailed(f"station {link.address} could not export KV: {type(e).__name__}: {e}") from e
+        return out

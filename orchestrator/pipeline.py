@@ -47,6 +47,7 @@ class StationLink(Protocol):
     """One station as the orchestrator and the control plane see it: in-process or over gRPC."""
 
     address: str  # where the station serves ("host:port", or "in-process")
+    copies_kv: bool  # the station can export and import KV (ExportKV / ImportKV)
 
     def forward(self, wave_id: int, entries: tuple[WaveEntry, ...], token_ids: list[int] | None,
                 hidden: torch.Tensor | None) -> StationOutput:
@@ -110,6 +111,11 @@ class LocalLink:
         s = self.station.kv.stats()
         return LinkKV(s.blocks_total, s.block_tokens, s.bytes_used, s.bytes_total,
                       self.station.prefill_chunk_invariant, self.station.spec.dtype)
+
+    @property
+    def copies_kv(self) -> bool:
+        """The station can export and import KV (a route switch's copy)."""
+        return callable(getattr(self.station, "export_kv", None))
 
     def layer_range(self) -> tuple[int, int]:
         """The station's layers."""

@@ -21,6 +21,8 @@ _WAVE_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATE
 class RemoteLink:
     """A station behind gRPC (typically a Ray actor)."""
 
+    copies_kv = True  # ExportKV / ImportKV
+
     def __init__(self, address: str, timeout_s: float = 30.0, max_message_bytes: int = 512 * 2**20, *,
                  token: str | None = None, tls: StationTls | None = None) -> None:
         """`token` / `tls`: the cluster token and mutual-TLS material every call to the station carries."""

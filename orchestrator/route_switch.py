@@ -130,6 +130,8 @@ class RouteSwitching:
                          self.config.max_wave_tokens, old_depth, self.config.catchup_slowdown,
                          max(MIN_ROWS, rows // 16) if copier else MIN_ROWS)
             self._catchup, self._catchup_pipeline, self._catchup_copier = cu, pipeline, copier
+            if copier is not None:
+                copier.forgotten = cu.forgotten
         self._inbox.put(self._wake)
         switching = False
         try:
@@ -159,6 +161,7 @@ class RouteSwitching:
                         cu.error = f"waves still in flight {timeout:.0f} s into the switch"
                 if copier is not None and cu.error is None and not self.route.closed:
                     self._final_copy(cu, copier, limits.prefill_chunk_invariant)
+                    copier.flush()  # its queued releases reach the new stations before the first wave there
                 if cu.error is not None or self.route.closed:
                     raise CatchUpFailed(f"route not switched, the old route serves on: {cu.error or 'engine closed'}")
                 released, residual = self.scheduler.adopt(limits, cu.ledger, cu.shadows, cu.no_room)
@@ -217,7 +220,7 @@ class RouteSwitching:
                 shadow = cu.shadows.get(seq.seq_id)
                 if shadow is not None and shadow.num_computed != seq.num_computed:
                     cu._no_room(seq.seq_id)
-            self._catchup_pipeline.release(cu.take_releases())
+            self._catchup_release(cu.take_releases())
 
     # ---- the wave loop's side of a catch-up (called under the engine's lock) ----------------------------------
     def _fill_catchup(self) -> None:
@@ -228,8 +231,7 @@ class RouteSwitching:
         mover = self._catchup_copier or self._catchup_pipeline
         while cu.in_flight < mover.depth:
             plan = cu.plan(self.scheduler.running())
-            if released := cu.take_releases():
-                self._catchup_pipeline.release(released)
+            self._catchup_release(cu.take_releases())
             if plan is None:
                 return
             self._catchup_waves.add(plan.wave_id)
@@ -252,18 +254,14 @@ class RouteSwitching:
         else:
             released = cu.commit(plan)
             self.catchup_tokens += len(plan.token_ids)
-        if released:
-            self._catchup_pipeline.release(released)
-        if old := cu.take_old_releases():
-            self.pipeline.release(old)
+        self._catchup_release(released)
 
     def _catchup_forget(self, seq_ids) -> None:
         """Sequences left the old route: drop their new-route KV too."""
-        if self._catchup is not None and (released := self._catchup.forget(tuple(seq_ids))):
-            self._catchup_pipeline.release(released)
+        if self._catchup is not None:
+            self._catchup_release(self._catchup.forget(tuple(seq_ids)))
 
-    def _old_releases(self, seq_ids: tuple[int, ...]) -> tuple[int, ...]:
-        """Of these sequences, those the old route may release now: a KV copy reading one holds it back."""
-        if self._catchup is None or self._catchup_copier is None:
-            return seq_ids
-        return self._catchup.defer_old(seq_ids)
+    def _catchup_release(self, seq_ids: tuple[int, ...]) -> None:
+        """Free these sequences' KV at the new stations, in order with the catch-up's own calls there."""
+        if seq_ids:
+            (self._catchup_copier or self._catchup_pipeline).release(tuple(seq_ids))

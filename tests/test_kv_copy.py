@@ -16,7 +16,7 @@ from mesh.core.wave import WaveEntry
 from mesh.core.wire import tensor_to_proto
 from mesh.core.wire_kv import encode_import
 from orchestrator.engine import Engine
-from orchestrator.kv_move import KVCopier, _pieces
+from orchestrator.kv_move import CopySourceFailed, KVCopier, _pieces
 from orchestrator.pipeline import LocalLink
 from orchestrator.remote import RemoteLink
 from orchestrator.scheduler_types import WavePlan
@@ -80,6 +80,28 @@ def test_copied_kv_decodes_with_the_source_bits(tiny_llama, dtype):
     for d in dst:
         assert d.kv.length(3) == d.kv.length(4) == 100 and d.kv.table(3) == list(tables[3])
     assert torch.equal(_next_logits(dst, [3, 4], 100), _next_logits([src], [3, 4], 100))
+
+
+def test_copy_drops_sequences_the_old_route_let_go(tiny_llama):
+    """A plan whose sequence the old station released meanwhile (the old route finished it) is exported again
+    without it once the catch-up says it is forgotten; a sequence still live that the old station lacks is an
+    error (CopySourceFailed), never skipped."""
+    src = Station(tiny_llama, StationSpec(layers=(0, 6)))
+    dst = Station(tiny_llama, StationSpec(layers=(0, 6)))
+    for s in (1, 2):
+        _prefill(src, s, 20)
+    src.release([2])
+    cfg = ModelConfig.from_dir(tiny_llama)
+    copier = KVCopier([LocalLink(src)], [LocalLink(dst)], 2 * cfg.num_key_value_heads * cfg.head_dim * 4, 16,
+                      _Done())
+    plan = WavePlan((WaveEntry(1, 0, 20, None, (0, 1)), WaveEntry(2, 0, 20, None, (2, 3))), (), 1)
+    with pytest.raises(CopySourceFailed, match="unknown seq_id 2"):
+        copier.copy(plan)
+    assert dst.kv.stats().sequences == 0  # nothing imported: every export comes first
+    copier.forgotten = lambda seq_id: seq_id == 2
+    copier.copy(plan)
+    copier.close()
+    assert dst.kv.length(1) == 20 and dst.kv.length(2) is None
 
 
 def test_pieces_cut_entries_at_the_row_limit():
@@ -177,9 +199,9 @@ def test_bf16_route_switch_copies_and_matches_a_cluster_that_never_changed(tiny_
     tokens equal those of the same engine left on its first route."""
     cfg = ModelConfig.from_dir(tiny_llama)
     prompts = [[1] + [(13 * i + 3 * j) % 400 + 5 for j in range(120)] for i in range(6)]
-    params = [SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.0 if i % 2 else 0.8, seed=i)
+    params = [SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0 if i % 2 else 0.8, seed=i)
               for i in range(6)]
-    sched = SchedulerConfig(max_seqs=8, max_wave_tokens=96, catchup_copy_tokens=64)
+    sched = SchedulerConfig(max_seqs=8, max_wave_tokens=96)
 
     def run(switch: bool) -> list[list[int]]:
         station = Station(tiny_llama, StationSpec(layers=(0, 6), dtype="bfloat16"))
@@ -196,7 +218,7 @@ def test_bf16_route_switch_copies_and_matches_a_cluster_that_never_changed(tiny_
                        for r in ((0, 2), (2, 6))]
                 report = engine.switch_route(new)
                 assert report.mode == "catchup" and report.replayed == (), report
-                assert set(report.residual.values()) == {1}, report.residual
+                assert len(report.residual) == 6 and set(report.residual.values()) == {1}, report.residual
             for i in range(len(streams)):
                 for ev in it[i]:
                     tokens[i].extend(ev.token_ids)

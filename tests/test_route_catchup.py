@@ -283,30 +283,32 @@ def test_catchup_plans_committed_tokens_and_forgets_ended_sequences():
     assert cu.ledger.used == 4
 
 
-def test_catchup_copy_defers_old_releases_and_its_last_plan_takes_everything():
-    """With a KV copy: the old route's release of a sequence a copy is reading waits for that copy to end; a
-    plan an old station could not carry out leaves its shadows where they were; the last plan (final) takes
-    every token each sequence lacks, past the row budget and after closing."""
+def test_catchup_skipped_plans_forgotten_sequences_and_the_last_plan():
+    """A plan an old station could not carry out leaves its shadows where they were; a sequence that leaves the
+    old route while its plan is in flight is `forgotten` until the plan ends; the last plan (final) takes every
+    token each sequence lacks, past the row budget and after closing."""
     ids = iter(range(100))
     cu = CatchUp(KVBlockLedger(64, 16), wave_tokens=32, max_entries=8, ready_lag=2, new_wave_id=lambda: next(ids),
                  started=0.0)
     seqs = []
-    for i, done in enumerate((70, 40)):
+    for i, done in enumerate((70, 40, 20)):
         s = Sequence(i, Request(f"r{i}", tuple(range(5, 5 + done)), SamplingParams(max_tokens=10)), arrival=i)
         s.status, s.num_computed = SequenceStatus.RUNNING, done
         seqs.append(s)
     p1 = cu.plan(seqs)
     assert [(e.seq_id, e.n_tokens) for e in p1.entries] == [(0, 32)]
-    assert cu.defer_old((0, 1)) == (1,)  # seq 0 is being copied: its old-route release waits
-    assert cu.take_old_releases() == ()
     cu.skip(p1)  # the old station could not export
-    assert cu.shadows[0].num_computed == 0 and cu.take_old_releases() == (0,) and cu.take_old_releases() == ()
+    assert cu.shadows[0].num_computed == 0
+    p2 = cu.plan(seqs)
+    assert cu.forget((0, 2)) == () and cu.forgotten(0) and not cu.forgotten(2)  # 0 is in p2: released after it
+    assert cu.commit(p2) == (0,) and not cu.forgotten(0)
+    live = seqs[1:2]
     cu.closing = True
-    assert cu.plan(seqs) is None
-    last = cu.plan(seqs, final=True)
-    assert [(e.seq_id, e.start_pos, e.n_tokens) for e in last.entries] == [(0, 0, 70), (1, 0, 40)]
+    assert cu.plan(live) is None
+    last = cu.plan(live, final=True)
+    assert [(e.seq_id, e.start_pos, e.n_tokens) for e in last.entries] == [(1, 0, 40)]
     cu.commit(last)
-    assert cu.ready(seqs) and {s.seq_id: s.num_computed for s in cu.shadows.values()} == {0: 70, 1: 40}
+    assert cu.ready(live) and {s.seq_id: s.num_computed for s in cu.shadows.values()} == {1: 40}
 
 
 def test_catchup_waves_are_paced_by_the_old_routes_wave_time():

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -126,5 +127,32 @@ def test_reroute_1_2_3_1_over_station_processes_moves_every_stream_by_catch_up(l
         outs = [s.result(timeout=300)[0] for s in streams]
         assert [o.token_ids for o in outs] == ref
         print(f"engine pauses (longest wait of a stream): {cluster.engine.stats().route_switch_pauses}")
+    finally:
+        cluster.stop()
+
+
+def test_add_station_with_layers_loads_fresh_copies_of_kept_stations_and_catches_up(local_ray, tiny_llama):
+    """`mesh add-station --layers 1-3` on [0, 3) + [3, 6) keeps [3, 6) in the new plan: it is loaded again as a
+    fresh copy beside the serving one, so the switch is made before the break (a KV copy, not a pause); the old
+    copy is retired after it, and every stream's tokens equal a cluster that never changed."""
+    prompts, params = _jobs(n=8, prompt=120, max_tokens=600)
+    one = Station(tiny_llama, StationSpec(layers=(0, 6)))
+    ref = [generate_one(one, p, sp)[0] for p, sp in zip(prompts, params)]
+    cluster = _cluster(tiny_llama, catchup_wave_tokens=256, max_wave_tokens=256)
+    try:
+        two = cluster.reroute(tuple(StationSpec(layers=r) for r in ((0, 3), (3, 6))))
+        # the plan add-station makes, loaded first (so the switch happens mid-stream whatever the machine's speed)
+        cluster.prepare((StationSpec(layers=(0, 1)), StationSpec(layers=(1, 3)), replace(two[1], copy=1)))
+        streams = [cluster.engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        deadline = time.monotonic() + 120
+        while cluster.engine.stats().decode_tokens < 8 * 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        specs = cluster.add_station(layers=(1, 3))
+        assert [s.layers for s in specs] == [(0, 1), (1, 3), (3, 6)]
+        assert specs[2].copy == two[1].copy + 1 and two[1] not in cluster._actors  # a fresh copy; the old one retired
+        report = cluster.engine.switch_reports[-1]
+        assert report.mode == "catchup" and report.kv_source == "copy" and set(report.residual.values()) == {1}
+        outs = [s.result(timeout=300)[0] for s in streams]
+        assert [o.token_ids for o in outs] == ref
     finally:
         cluster.stop()

@@ -155,6 +155,33 @@ class Cluster:
         added = replace(specs[0], layers=(a, b), num_gpus=specs[0].num_gpus if num_gpus is None else num_gpus)
         return self.reroute(tuple(sorted(new + [added], key=lambda s: s.start)))
 
+    def _fresh_copies(self, specs: tuple[StationSpec, ...]) -> tuple[StationSpec, ...]:
+        """A plan that keeps some of the serving stations (add-station leaves the others as they are) would share
+        them between the routes, and a switch over a shared station pauses and re-prefills. With
+        `route_switch: catchup` the kept ranges are loaded again as fresh copies beside the serving ones (retired
+        after the switch, as every replaced station is) when Ray has the resources for every station the plan
+        starts now; else they are shared, and the switch pauses (said here)."""
+        kept = [s for s in specs if s in self.specs]
+        if self.config.scheduler.route_switch != "catchup" or not kept or len(kept) == len(specs):
+            return specs
+        def fresh_copy(spec: StationSpec) -> StationSpec:  # a copy the serving route does not use (maybe prepared)
+            while spec in self.specs:
+                spec = replace(spec, copy=spec.copy + 1)
+            return spec
+
+        fresh = tuple(fresh_copy(s) for s in specs)
+        need: dict[str, float] = {}
+        for spec in (s for s in fresh if s not in self._actors):  # what this re-plan starts now
+            for name, amount in (("CPU", spec.num_cpus), ("GPU", spec.num_gpus), *spec.resources):
+                need[name] = need.get(name, 0.0) + amount
+        free = ray.available_resources()
+        short = sorted(name for name, amount in need.items() if amount > free.get(name, 0.0) + 1e-9)
+        if short:
+            self.progress(f"kept station(s) {[list(s.layers) for s in kept]} serve both routes: no room for fresh "
+                          f"copies ({', '.join(short)} short), so the switch pauses and re-prefills")
+            return specs
+        return fresh
+
     def prepare(self, specs: tuple[StationSpec, ...]) -> tuple[StationSpec, ...]:
         """Check a plan (placement included: a station no node can hold is refused at once, naming the resource)
         and start (load) the stations it needs that are not running yet. Loading holds no lock that recovery
@@ -171,7 +198,7 @@ class Cluster:
         then retire the old route's stations that the new plan does not use. One re-plan at a time; a
         re-plan that fails ends the stations it started and leaves the route as it was."""
         with self._replan_lock:
-            specs = self.prepare(specs)
+            specs = self.prepare(self._fresh_copies(specs))
             try:
                 with self._scale_lock:
                     self.progress(f"switching route to {len(specs)} station(s): {[list(s.layers) for s in specs]}")

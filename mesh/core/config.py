@@ -226,8 +226,12 @@ class StationSpec:
     # Ray custom resources the station's node must have, as sorted (name, amount) pairs (YAML: {NAME: amount}),
     # e.g. a label a KubeRay worker group advertises: they place the station on that node
     resources: tuple[tuple[str, float], ...] = ()
+    # which copy of this layer range (not a YAML key): a re-plan that keeps a range loads a fresh copy beside the
+    # serving one, so the switch can be made before it breaks (mesh.control.cluster)
+    copy: int = 0
 
     def __post_init__(self) -> None:
+        _require(is_int(self.copy) and self.copy >= 0, f"copy: expected an integer >= 0, got {self.copy!r}")
         _require(isinstance(self.resources, tuple)
                  and all(isinstance(pair, tuple) and len(pair) == 2 for pair in self.resources),
                  f"resources: expected (name, amount) pairs, got {self.resources!r}")
