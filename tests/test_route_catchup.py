@@ -251,17 +251,23 @@ def _try(fn, *args):
         return e
 
 
-def test_catchup_plans_committed_tokens_and_forgets_ended_sequences():
-    """CatchUp alone: waves carry only tokens the old route committed, oldest first, within the row budget; a
-    sequence that ends mid-wave is released when that wave comes back; no room marks a sequence for re-prefill."""
+def _catchup_over(blocks: int, wave_tokens: int, computed: tuple[int, ...]):
+    """A CatchUp over a ledger of `blocks` blocks of 16, and running sequences with these computed tokens."""
     ids = iter(range(100))
-    cu = CatchUp(KVBlockLedger(8, 16), wave_tokens=40, max_entries=8, ready_lag=2, new_wave_id=lambda: next(ids),
-                 started=0.0)
+    cu = CatchUp(KVBlockLedger(blocks, 16), wave_tokens=wave_tokens, max_entries=8, ready_lag=2,
+                 new_wave_id=lambda: next(ids), started=0.0)
     seqs = []
-    for i, done in enumerate((50, 30, 100)):
+    for i, done in enumerate(computed):
         s = Sequence(i, Request(f"r{i}", tuple(range(5, 5 + done)), SamplingParams(max_tokens=10)), arrival=i)
         s.status, s.num_computed = SequenceStatus.RUNNING, done
         seqs.append(s)
+    return cu, seqs
+
+
+def test_catchup_plans_committed_tokens_and_forgets_ended_sequences():
+    """CatchUp alone: waves carry only tokens the old route committed, oldest first, within the row budget; a
+    sequence that ends mid-wave is released when that wave comes back; no room marks a sequence for re-prefill."""
+    cu, seqs = _catchup_over(8, 40, (50, 30, 100))
     w1 = cu.plan(seqs)
     assert [(e.seq_id, e.start_pos, e.n_tokens, e.sample) for e in w1.entries] == [(0, 0, 40, None)]
     assert list(w1.token_ids) == list(range(5, 45))
@@ -287,14 +293,7 @@ def test_catchup_skipped_plans_forgotten_sequences_and_the_last_plan():
     """A plan an old station could not carry out leaves its shadows where they were; a sequence that leaves the
     old route while its plan is in flight is `forgotten` until the plan ends; the last plan (final) takes every
     token each sequence lacks, past the row budget and after closing."""
-    ids = iter(range(100))
-    cu = CatchUp(KVBlockLedger(64, 16), wave_tokens=32, max_entries=8, ready_lag=2, new_wave_id=lambda: next(ids),
-                 started=0.0)
-    seqs = []
-    for i, done in enumerate((70, 40, 20)):
-        s = Sequence(i, Request(f"r{i}", tuple(range(5, 5 + done)), SamplingParams(max_tokens=10)), arrival=i)
-        s.status, s.num_computed = SequenceStatus.RUNNING, done
-        seqs.append(s)
+    cu, seqs = _catchup_over(64, 32, (70, 40, 20))
     p1 = cu.plan(seqs)
     assert [(e.seq_id, e.n_tokens) for e in p1.entries] == [(0, 32)]
     cu.skip(p1)  # the old station could not export
