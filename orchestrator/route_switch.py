@@ -203,6 +203,8 @@ class RouteSwitching:
         abandons the catch-up."""
         running = self.scheduler.running()
         plan = cu.plan(running, final=True)
+        self._catchup_release(cu.take_releases())  # sequences with no room: free there before their blocks are reused
+        copier.flush()
         if plan is not None:
             try:
                 copier.copy(plan)
