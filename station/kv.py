@@ -152,6 +152,23 @@ class KVPool:
             table.append(block)
         self._lengths[seq_id] = max(self._lengths.get(seq_id, 0), end)
 
+    @contextmanager
+    def growing(self, entries) -> Iterator[None]:
+        """Hold the positions these wave entries add (blocks reserved here, or the tables they carry, checked by
+        check_table) while the body stores their K/V; if the body fails, each sequence rolls back to its length
+        before."""
+        before = {e.seq_id: self.length(e.seq_id) for e in entries}
+        self.reserve({e.seq_id: e.end_pos for e in entries if not e.blocks})
+        for e in entries:
+            if e.blocks:
+                self.assign(e.seq_id, e.end_pos, e.blocks)
+        try:
+            yield
+        except BaseException:
+            for seq_id, length in before.items():
+                self.truncate(seq_id, length)
+            raise
+
     def release(self, seq_id: int) -> bool:
         """Free a sequence's blocks (a block other sequences hold stays theirs); False when it was not resident."""
         table = self._tables.pop(seq_id, None)

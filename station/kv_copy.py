@@ -57,16 +57,7 @@ def import_rows(station, entries: tuple[WaveEntry, ...], k: torch.Tensor, v: tor
         if tuple(t.shape) != want or t.dtype != station.dtype:
             raise StepError(f"{name}: expected {station.spec.dtype} {list(want)}, got "
                             f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}")
-    before = {e.seq_id: kv.length(e.seq_id) for e in entries}
-    kv.reserve({e.seq_id: e.end_pos for e in entries if not e.blocks})
-    for e in entries:
-        if e.blocks:
-            kv.assign(e.seq_id, e.end_pos, e.blocks)
-    try:
+    with kv.growing(entries):
         blocks, offsets = (t.to(kv.k.device) for t in _slots(kv, entries))
         for layer in range(want[0]):
             kv.write(layer, blocks, offsets, k[layer].to(kv.k.device), v[layer].to(kv.k.device))
-    except BaseException:
-        for seq_id, length in before.items():
-            kv.truncate(seq_id, length)
-        raise

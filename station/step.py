@@ -172,18 +172,8 @@ class Station:
                  want_logits: bool) -> StationOutput:
         t0 = time.perf_counter()
         x = self._validate(entries, token_ids, hidden)
-        before = {e.seq_id: self.kv.length(e.seq_id) for e in entries}
-        self.kv.reserve({e.seq_id: e.end_pos for e in entries if not e.blocks})
-        for e in entries:
-            if e.blocks:
-                self.kv.assign(e.seq_id, e.end_pos, e.blocks)
-        try:
-            with torch.inference_mode():
-                out = self._compute(entries, x, want_logits)
-        except BaseException:
-            for seq_id, length in before.items():
-                self.kv.truncate(seq_id, length)
-            raise
+        with self.kv.growing(entries), torch.inference_mode():
+            out = self._compute(entries, x, want_logits)
         seconds = time.perf_counter() - t0
         self._forwards += 1
         self._kv_changes += 1
