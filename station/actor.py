@@ -106,8 +106,9 @@ class StationActor:
     def placement(self) -> dict[str, Any]:
         """Where the station runs: its pid and Ray node, the cores its process may use now, whether they are
         pinned (and why not), and its torch thread count."""
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "node_ip": ray.util.get_node_ip_address(),
+        in_ray = ray.is_initialized()  # the class also runs in-process (tests); never start a Ray just to ask
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id() if in_ray else None,
+                "node_ip": ray.util.get_node_ip_address() if in_ray else None,
                 "cpu_affinity": sorted(os.sched_getaffinity(0)), "cpu_pinned": self.cores.pinned,
                 "cpu_pinning_note": self.cores.reason, "torch_threads": on_compute_thread(torch.get_num_threads)}
 

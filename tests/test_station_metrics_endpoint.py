@@ -4,6 +4,7 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
+import ray
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -40,7 +41,9 @@ def test_station_actor_serves_metrics_with_wire_bytes(tiny_llama, actors):
     first, last = actors(StationSpec(layers=(0, 2), kv_bytes=16 * 2**20)), actors(StationSpec(layers=(2, 6)))
     for a in (first, last):
         assert a.metrics_address() and a.metrics_address() != a.address()
-        assert a.info()["metrics_address"] == a.metrics_address()
+        info = a.info()
+        assert info["metrics_address"] == a.metrics_address()
+        assert info["node_id"] is None and not ray.is_initialized()  # in-process: asking placement starts no Ray
     links = [RemoteLink(first.address()), RemoteLink(last.address())]
     assert [link.describe()["metrics_address"] for link in links] == [first.metrics_address(), last.metrics_address()]
     before = _samples(first.metrics_address())
