@@ -199,7 +199,7 @@ def test_bf16_route_switch_copies_and_matches_a_cluster_that_never_changed(tiny_
     tokens equal those of the same engine left on its first route."""
     cfg = ModelConfig.from_dir(tiny_llama)
     prompts = [[1] + [(13 * i + 3 * j) % 400 + 5 for j in range(120)] for i in range(6)]
-    params = [SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0 if i % 2 else 0.8, seed=i)
+    params = [SamplingParams(max_tokens=150, ignore_eos=True, temperature=0.0 if i % 2 else 0.8, seed=i)
               for i in range(6)]
     sched = SchedulerConfig(max_seqs=8, max_wave_tokens=96)
 

@@ -80,6 +80,8 @@ def test_scale_while_serving_keeps_every_token(local_ray, tiny_llama, hidden_pat
             assert cluster.engine.pipeline.hidden_path == (hidden_path if target > 1 else "hub")
             assert [s["layers"] for s in cluster.status()["stations"]] == [list(s.layers) for s in specs]
         assert [list(s.layers) for s in cluster.specs] == [[0, 4], [4, 6]]
+        switches, serving = len(cluster.engine.switch_reports), cluster.specs
+        assert cluster.reroute(serving) == serving and len(cluster.engine.switch_reports) == switches  # a no-op
         outs = [s.result(timeout=300)[0] for s in streams]
         first_diff = [next((j for j, (a, b) in enumerate(zip(o.token_ids, r)) if a != b), None)
                       for o, r in zip(outs, reference)]

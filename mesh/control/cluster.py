@@ -196,8 +196,13 @@ class Cluster:
     def reroute(self, specs: tuple[StationSpec, ...]) -> tuple[StationSpec, ...]:
         """Start what `specs` needs beside the current stations, switch the route between waves,
         then retire the old route's stations that the new plan does not use. One re-plan at a time; a
-        re-plan that fails ends the stations it started and leaves the route as it was."""
+        re-plan that fails ends the stations it started and leaves the route as it was. The plan already
+        serving is left as it is (nothing loads, no stream waits), as scaling to the current size does elsewhere."""
         with self._replan_lock:
+            if self.config.with_stations(specs).resolve(self.model) == self.specs:
+                self.progress(f"already serving {len(self.specs)} station(s) {[list(s.layers) for s in self.specs]}: "
+                              "nothing to change")
+                return self.specs
             specs = self.prepare(self._fresh_copies(specs))
             try:
                 with self._scale_lock:
