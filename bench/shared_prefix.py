@@ -9,7 +9,7 @@
 one in-process full-model Station. Throughput = output tokens / (first submit -> last result); time to first
 token per request from its submit. (b) The serving benchmark's mixed workload (prompts 16-512, outputs 16-256,
 random.Random(0); nothing shared beyond chance), same engine settings. The cache-on and cache-off runs alternate
-(on, off, on, off, ...), medians over --repeats; the tokens of every request must be identical on and off.
+(on, off, off, on, ...), medians over --repeats; the tokens of every request must be identical on and off.
 The last line printed is one JSON object with every figure.
 """
 from __future__ import annotations
@@ -87,10 +87,11 @@ def run(station: Station, cfg: ModelConfig, jobs, cache: bool, max_seqs: int, ma
 
 
 def alternate(station, cfg, jobs, args, label: str) -> dict:
-    """Cache on and off, alternating, --repeats each: medians, ratios, and whether the tokens matched."""
+    """Cache on and off, --repeats each in ABBA order (on, off, off, on, ...): medians, ratios, and whether the
+    tokens matched."""
     runs = {True: [], False: []}
     for rep in range(args.repeats):
-        for cache in (True, False):
+        for cache in ((True, False) if rep % 2 == 0 else (False, True)):  # ABBA: neither side always goes first
             r = run(station, cfg, jobs, cache, args.max_seqs, args.max_wave_tokens)
             runs[cache].append(r)
             log(f"{label} repeat {rep + 1}/{args.repeats} cache {'on ' if cache else 'off'}: {r['tok_s']:.1f} tok/s, "
