@@ -66,6 +66,13 @@ QINLINE void qstore(float *p, qvec v) { _mm256_storeu_ps(p, v); }
 #endif
 
 #define QVECS (QTILE_N / QLANES)
+/* vectors of the tile's width a register tile covers at once: all of it with AVX-512, a quarter with AVX2 (whose
+ * 16 registers cannot hold 6 x 8 accumulators; see packed_linear.c) */
+#if defined(__AVX512F__)
+#define QCVECS QVECS
+#else
+#define QCVECS 2
+#endif
 
 /* Bytes of one group of a 64-row tile in the repacked layout (0 for an unknown type). */
 static int64_t quant_group_bytes(int qtype) {
@@ -207,34 +214,40 @@ static void decode_block(const uint8_t *tile, int64_t gbytes, int qtype, int64_t
     }
 }
 
-/* tb (<= 6) rows of x over the kb decoded weights wb [kb][64] starting at k0, continuing the sums in acc [tb][64]. */
-QINLINE void rows_over_block(const float *x, int64_t ldx, const int tb, const float *wb, int64_t k0, int kb,
-                             float *acc) {
-    qvec a[QTILE_T][QVECS];
-    for (int i = 0; i < tb; i++)
-        for (int j = 0; j < QVECS; j++) a[i][j] = qload(acc + i * QTILE_N + j * QLANES);
-    for (int k = 0; k < kb; k++) {
-        qvec wv[QVECS];
-        for (int j = 0; j < QVECS; j++) wv[j] = qload(wb + k * QTILE_N + j * QLANES);
-        for (int i = 0; i < tb; i++) {
-            qvec xb = qbroadcast(x + i * ldx + k0 + k);
-            for (int j = 0; j < QVECS; j++) a[i][j] = qfma(xb, wv[j], a[i][j]);
+/* tb (<= 6) rows of x over the kb decoded weights wb [kb][64] starting at k0, continuing the sums in acc [tb][64],
+ * the columns cv vectors at a time (cv constant, dividing QVECS; each output is one chain over k whatever cv is). */
+QINLINE void rows_over_block(const float *x, int64_t ldx, const int tb, const int cv, const float *wb, int64_t k0,
+                             int kb, float *acc) {
+    for (int c0 = 0; c0 < QVECS; c0 += cv) {
+        const float *wc = wb + c0 * QLANES;
+        float *ac = acc + c0 * QLANES;
+        qvec a[QTILE_T][QVECS];
+        for (int i = 0; i < tb; i++)
+            for (int j = 0; j < cv; j++) a[i][j] = qload(ac + i * QTILE_N + j * QLANES);
+        for (int k = 0; k < kb; k++) {
+            qvec wv[QVECS];
+            for (int j = 0; j < cv; j++) wv[j] = qload(wc + k * QTILE_N + j * QLANES);
+            for (int i = 0; i < tb; i++) {
+                qvec xb = qbroadcast(x + i * ldx + k0 + k);
+                for (int j = 0; j < cv; j++) a[i][j] = qfma(xb, wv[j], a[i][j]);
+            }
         }
+        for (int i = 0; i < tb; i++)
+            for (int j = 0; j < cv; j++) qstore(ac + i * QTILE_N + j * QLANES, a[i][j]);
     }
-    for (int i = 0; i < tb; i++)
-        for (int j = 0; j < QVECS; j++) qstore(acc + i * QTILE_N + j * QLANES, a[i][j]);
 }
 
 static void all_rows_over_block(const float *x, int64_t ldx, int64_t T, const float *wb, int64_t k0, int kb,
                                 float *acc) {
     int64_t t = 0;
-    for (; t + QTILE_T <= T; t += QTILE_T) rows_over_block(x + t * ldx, ldx, QTILE_T, wb, k0, kb, acc + t * QTILE_N);
-    switch (T - t) {
-        case 5: rows_over_block(x + t * ldx, ldx, 5, wb, k0, kb, acc + t * QTILE_N); break;
-        case 4: rows_over_block(x + t * ldx, ldx, 4, wb, k0, kb, acc + t * QTILE_N); break;
-        case 3: rows_over_block(x + t * ldx, ldx, 3, wb, k0, kb, acc + t * QTILE_N); break;
-        case 2: rows_over_block(x + t * ldx, ldx, 2, wb, k0, kb, acc + t * QTILE_N); break;
-        case 1: rows_over_block(x + t * ldx, ldx, 1, wb, k0, kb, acc + t * QTILE_N); break;
+    for (; t + QTILE_T <= T; t += QTILE_T)
+        rows_over_block(x + t * ldx, ldx, QTILE_T, QCVECS, wb, k0, kb, acc + t * QTILE_N);
+    switch (T - t) {  /* one or two rows: the whole width */
+        case 5: rows_over_block(x + t * ldx, ldx, 5, QCVECS, wb, k0, kb, acc + t * QTILE_N); break;
+        case 4: rows_over_block(x + t * ldx, ldx, 4, QCVECS, wb, k0, kb, acc + t * QTILE_N); break;
+        case 3: rows_over_block(x + t * ldx, ldx, 3, QCVECS, wb, k0, kb, acc + t * QTILE_N); break;
+        case 2: rows_over_block(x + t * ldx, ldx, 2, QVECS, wb, k0, kb, acc + t * QTILE_N); break;
+        case 1: rows_over_block(x + t * ldx, ldx, 1, QVECS, wb, k0, kb, acc + t * QTILE_N); break;
         default: break;
     }
 }
