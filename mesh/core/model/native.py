@@ -1,11 +1,12 @@
 """The station's own C kernels (mesh/core/model/csrc/*.c), compiled once per machine and loaded with ctypes.
 
 The library is built with the system C compiler (`cc -O3 -march=native -fopenmp`) into ~/.cache/wavemesh/kernels
-(or a per-user temporary folder where the home is not writable), under a name that hashes the source, the flags and the CPU model, so a changed source, another compiler flag or
-another machine builds afresh and concurrent stations never read a half-written file (written to a temporary
-name, then renamed). It links the same OpenMP runtime torch already loaded (libgomp.so.1), so its threads are
-torch's threads. Where no compiler or no AVX2/FMA is present, `load_packed_linear` answers None and the reason,
-and the station uses torch's kernels instead.
+(or a per-user temporary folder where the home is not writable), under a name that hashes the sources and
+headers, the flags and the CPU model, so a changed source, another compiler flag or another machine builds afresh
+and concurrent stations never read a half-written file (written to a temporary name, then renamed). It links the
+same OpenMP runtime torch already loaded (libgomp.so.1), so its threads are torch's threads. Where no compiler or
+no AVX2/FMA is present, `load_packed_linear` answers None and the reason, and the station uses torch's kernels
+instead.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from functools import cache
 from pathlib import Path
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
+HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))  # included by the sources: part of the key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -75,15 +77,19 @@ SIGNATURES = {  # every exported function's argument types (all return void)
 }
 
 
+def library_name(files: tuple[Path, ...]) -> str:
+    """The compiled library's file name: a hash of every source and header, the flags and the CPU model."""
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(CFLAGS).encode() + _cpu_model().encode())
+    return f"wavemesh-native-{key.hexdigest()[:16]}.so"
+
+
 @cache
 def load_native() -> tuple[ctypes.CDLL | None, str]:
     """(the compiled library, "") or (None, why not): built on first use, then reused from the cache."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None, f"the native kernels are written for x86-64 (this is {platform.machine()})"
     compiler = shutil.which("cc") or shutil.which("gcc")
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()
-                         + _cpu_model().encode())
-    target = kernel_dir() / f"wavemesh-native-{key.hexdigest()[:16]}.so"
+    target = kernel_dir() / library_name(SOURCES + HEADERS)
     try:
         if not target.exists():
             if compiler is None:

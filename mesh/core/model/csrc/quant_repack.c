@@ -1,0 +1,141 @@
+/* The quantized linear's load-time layout: a linear's GGUF blocks (Q8_0, Q4_0, Q4_1) repacked into tiles of 64 output
+ * rows, group by group, the float16 scales and minimums widened to float32 and the quant bytes transposed (the layout
+ * is described in quant_blocks.h). Run once per weight when a station loads.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+#include "quant_blocks.h"
+
+/* IEEE binary16 (little-endian) -> float32, exactly (where F16C is missing). */
+__attribute__((unused)) static float half_to_float(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    float f;
+    if (exp == 0) {
+        f = (float)man * (1.0f / 16777216.0f); /* zero or subnormal: man * 2^-24, exact */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* Two 16 x 16 byte transposes at once, one in each 128-bit lane: r[i] holds 16 bytes of row i of block A in its low
+ * lane and of block B in its high lane; byte j of the 16 rows goes to a + j * stride (A) and b + j * stride (B).
+ * Four rounds of interleaves, each pairing twice as many bytes: rows (2i, 2i+1) by byte, then by 2, 4 and 8 bytes. */
+static void transpose16x2(const __m256i r[16], uint8_t *a, uint8_t *b, int64_t stride) {
+    __m256i s[16], t[16], u[16];
+    for (int i = 0; i < 8; i++) {  /* s[8h + i]: bytes 8h..8h+7, each as rows (2i, 2i+1) */
+        s[i] = _mm256_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+        s[8 + i] = _mm256_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++)  /* t[4q + i]: bytes 4q..4q+3, each as rows 4i..4i+3 */
+        for (int i = 0; i < 4; i++) {
+            t[8 * h + i] = _mm256_unpacklo_epi16(s[8 * h + 2 * i], s[8 * h + 2 * i + 1]);
+            t[8 * h + 4 + i] = _mm256_unpackhi_epi16(s[8 * h + 2 * i], s[8 * h + 2 * i + 1]);
+        }
+    for (int q = 0; q < 4; q++)  /* u[2p + half]: bytes 2p, 2p+1, each as rows 8 half .. 8 half + 7 */
+        for (int half = 0; half < 2; half++) {
+            u[4 * q + half] = _mm256_unpacklo_epi32(t[4 * q + 2 * half], t[4 * q + 2 * half + 1]);
+            u[4 * q + 2 + half] = _mm256_unpackhi_epi32(t[4 * q + 2 * half], t[4 * q + 2 * half + 1]);
+        }
+    for (int p = 0; p < 16; p++) {  /* byte p of the 16 rows: both blocks */
+        __m256i v = (p & 1) ? _mm256_unpackhi_epi64(u[p - 1], u[p]) : _mm256_unpacklo_epi64(u[p], u[p + 1]);
+        _mm_storeu_si128((__m128i *)(a + p * stride), _mm256_castsi256_si128(v));
+        _mm_storeu_si128((__m128i *)(b + p * stride), _mm256_extracti128_si256(v, 1));
+    }
+}
+
+static inline uint32_t load_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* The float16 scale (and, with 2 scales, the minimum after it) at byte `off` of 16 rows, as float32 into d[0..15]
+ * (and d[64..79]). */
+static void scales16(const uint8_t *const rows[16], int64_t off, int scales, float *d) {
+    /* each row's first 4 bytes: scale | minimum << 16 (a Q8_0 / Q4_0 block's first quants), inserted into vectors
+     * from the loads (not stored then reloaded: that load would wait on 16 narrow stores) */
+#define ROW_WORD(i) ((int)load_u32(rows[i] + off))
+#if defined(__AVX512F__)
+    __m512i v = _mm512_setr_epi32(ROW_WORD(0), ROW_WORD(1), ROW_WORD(2), ROW_WORD(3), ROW_WORD(4), ROW_WORD(5),
+                                  ROW_WORD(6), ROW_WORD(7), ROW_WORD(8), ROW_WORD(9), ROW_WORD(10), ROW_WORD(11),
+                                  ROW_WORD(12), ROW_WORD(13), ROW_WORD(14), ROW_WORD(15));
+    _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
+    if (scales == 2) _mm512_storeu_ps(d + QTILE_N, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))));
+#elif defined(__F16C__)
+    __m256i lo = _mm256_setr_epi32(ROW_WORD(0), ROW_WORD(1), ROW_WORD(2), ROW_WORD(3), ROW_WORD(4), ROW_WORD(5),
+                                   ROW_WORD(6), ROW_WORD(7));
+    __m256i hi = _mm256_setr_epi32(ROW_WORD(8), ROW_WORD(9), ROW_WORD(10), ROW_WORD(11), ROW_WORD(12), ROW_WORD(13),
+                                   ROW_WORD(14), ROW_WORD(15));
+    for (int sc = 0; sc < scales; sc++) {  /* the 16 halves in row order: pack (lane-wise), then put lanes in order */
+        __m256i a = sc ? _mm256_srli_epi32(lo, 16) : _mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF));
+        __m256i b = sc ? _mm256_srli_epi32(hi, 16) : _mm256_and_si256(hi, _mm256_set1_epi32(0xFFFF));
+        __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+        _mm256_storeu_ps(d + sc * QTILE_N, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+        _mm256_storeu_ps(d + sc * QTILE_N + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    }
+#else
+    for (int i = 0; i < 16; i++)
+        for (int sc = 0; sc < scales; sc++) d[sc * QTILE_N + i] = half_to_float(rows[i] + off + 2 * sc);
+#endif
+#undef ROW_WORD
+}
+
+/* Group g (weights 32 g .. 32 g + 31) of a tile's 64 rows, gathered from their GGUF blocks into grp (the layout
+ * above). */
+static void gather_group(const uint8_t *const row[QTILE_N], int qtype, int64_t g, uint8_t *grp) {
+    int64_t off = g * block_bytes(qtype), head = qtype == Q4_1 ? 4 : 2, scales = qtype == Q4_1 ? 2 : 1;
+    uint8_t *qs = grp + scales * QTILE_N * 4;
+    __m256i r[16];
+    for (int lg = 0; lg < QTILE_N; lg += 16) scales16(row + lg, off, (int)scales, (float *)grp + lg);
+    if (qtype == Q8_0) {  /* 16 rows at a time, their bytes 0..15 and 16..31 side by side */
+        for (int lg = 0; lg < QTILE_N; lg += 16) {
+            for (int i = 0; i < 16; i++) r[i] = _mm256_loadu_si256((const __m256i *)(row[lg + i] + off + head));
+            transpose16x2(r, qs + lg, qs + 16 * QTILE_N + lg, QTILE_N);
+        }
+    } else {  /* 32 rows at a time: rows lg.. lg + 15 and lg + 16 .. lg + 31 side by side */
+        for (int lg = 0; lg < QTILE_N; lg += 32) {
+            for (int i = 0; i < 16; i++)
+                r[i] = _mm256_loadu2_m128i((const __m128i *)(row[lg + 16 + i] + off + head),
+                                           (const __m128i *)(row[lg + i] + off + head));
+            transpose16x2(r, qs + lg, qs + lg + 16, QTILE_N);
+        }
+    }
+}
+
+/* Repack a linear's rows, given as `parts` GGUF tensors side by side (part p: rows[p] rows of K / 32 blocks at
+ * src[p], HF row r at raw row order[p][r], or r where order[p] is NULL), into the tile layout at dst (N = the sum
+ * of the parts' rows; ceil(N / 64) tiles of K / 32 groups). */
+void quant_repack(const uint8_t *const *src, const int64_t *rows, const int64_t *const *order, int parts,
+                  int64_t K, int qtype, uint8_t *dst, int threads) {
+    int64_t N = 0, groups = K / GROUP, gbytes = quant_group_bytes(qtype), row_bytes = groups * block_bytes(qtype);
+    for (int p = 0; p < parts; p++) N += rows[p];
+    int64_t tiles = (N + QTILE_N - 1) / QTILE_N;
+    uint8_t *zero_row = calloc(1, (size_t)row_bytes); /* the rows past N: scale, minimum and quants zero */
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t ti = 0; ti < tiles; ti++) {
+        const uint8_t *row[QTILE_N];
+        for (int i = 0; i < QTILE_N; i++) {
+            int64_t n = ti * QTILE_N + i, p = 0;
+            if (n >= N) { row[i] = zero_row; continue; }
+            while (n >= rows[p]) n -= rows[p++];
+            row[i] = src[p] + (order[p] ? order[p][n] : n) * row_bytes;
+        }
+        for (int64_t g = 0; g < groups; g++) gather_group(row, qtype, g, dst + (ti * groups + g) * gbytes);
+    }
+    free(zero_row);
+}
+

@@ -1,0 +1,88 @@
+/* The register tile both float32 linears share (packed_linear.c over packed weights, quant_linear.c over weights it
+ * has just dequantized): up to 6 rows of x against a 64-wide block of weights [kb][64], the accumulators in
+ * registers, each output one chain of fused multiply-adds over k in order, continued from the partial sums in acc.
+ * Storing and reloading a partial sum leaves its bits as they were, so how k is cut into blocks, how many rows share
+ * a tile and how many columns a tile takes at once change no bit.
+ */
+#ifndef WAVEMESH_REGISTER_TILE_H
+#define WAVEMESH_REGISTER_TILE_H
+
+#include <stdint.h>
+#include <immintrin.h>
+
+#define TILE_N 64 /* output features per weight tile */
+#define TILE_T 6  /* rows per register tile (see CVECS) */
+#define INLINE static inline __attribute__((always_inline))
+
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vec;
+INLINE vec vload(const float *p) { return _mm512_loadu_ps(p); }
+INLINE vec vbroadcast(const float *p) { return _mm512_set1_ps(*p); }
+INLINE vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+typedef __m256 vec;
+INLINE vec vload(const float *p) { return _mm256_loadu_ps(p); }
+INLINE vec vbroadcast(const float *p) { return _mm256_broadcast_ss(p); }
+INLINE vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
+#else
+#error "the native linears need AVX2 with FMA, or AVX-512"
+#endif
+
+#define VECS (TILE_N / LANES)
+/* vectors of a tile's width one register tile covers at once: the whole tile with AVX-512 (6 x 4 accumulators in
+ * 32 registers), a quarter with AVX2 (6 x 2 in 16 registers; the whole tile, 6 x 8, spilled to the stack) */
+#if defined(__AVX512F__)
+#define CVECS VECS
+#else
+#define CVECS 2
+#endif
+
+/* tb (constant, <= TILE_T) rows of x (x[i * ldx + k]) over kb weights w [kb][64], continuing the sums in acc [tb][64],
+ * the columns cv vectors at a time (cv constant, dividing VECS). With prefetch > 0, the weights that many k ahead
+ * are requested while this block computes (for weights streamed from memory). */
+INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int cv, const float *w, int64_t kb,
+                          const int prefetch, float *acc) {
+    for (int c0 = 0; c0 < VECS; c0 += cv) {
+        const float *wc = w + c0 * LANES;
+        float *ac = acc + c0 * LANES;
+        vec a[TILE_T][VECS];
+        for (int i = 0; i < tb; i++)
+            for (int j = 0; j < cv; j++) a[i][j] = vload(ac + i * TILE_N + j * LANES);
+        for (int64_t k = 0; k < kb; k++) {
+            vec wv[VECS];
+            for (int j = 0; j < cv; j++) wv[j] = vload(wc + k * TILE_N + j * LANES);
+            if (prefetch)
+                for (int j = 0; j < cv * LANES; j += 16)
+                    _mm_prefetch((const char *)(wc + (k + prefetch) * TILE_N + j), _MM_HINT_T0);
+            for (int i = 0; i < tb; i++) {
+                vec xb = vbroadcast(x + i * ldx + k);
+                for (int j = 0; j < cv; j++) a[i][j] = vfma(xb, wv[j], a[i][j]);
+            }
+        }
+        for (int i = 0; i < tb; i++)
+            for (int j = 0; j < cv; j++) vstore(ac + i * TILE_N + j * LANES, a[i][j]);
+    }
+}
+
+/* All T rows of x over one weight block, in register tiles of 6 rows (3-6 rows: CVECS vectors of columns at a
+ * time; the last one or two rows: the whole width). Each caller wraps it with its own constant `prefetch`. */
+INLINE void all_rows_over_block(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int prefetch,
+                                float *acc) {
+    int64_t t = 0;
+    for (; t + TILE_T <= T; t += TILE_T)
+        register_tile(x + t * ldx, ldx, TILE_T, CVECS, w, kb, prefetch, acc + t * TILE_N);
+    switch (T - t) {
+        case 5: register_tile(x + t * ldx, ldx, 5, CVECS, w, kb, prefetch, acc + t * TILE_N); break;
+        case 4: register_tile(x + t * ldx, ldx, 4, CVECS, w, kb, prefetch, acc + t * TILE_N); break;
+        case 3: register_tile(x + t * ldx, ldx, 3, CVECS, w, kb, prefetch, acc + t * TILE_N); break;
+        case 2: register_tile(x + t * ldx, ldx, 2, VECS, w, kb, prefetch, acc + t * TILE_N); break;
+        case 1: register_tile(x + t * ldx, ldx, 1, VECS, w, kb, prefetch, acc + t * TILE_N); break;
+        default: break;
+    }
+}
+
+#endif
