@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -207,7 +208,7 @@ class GGUFHeader:
             if dims and dims[0] % block:
                 raise HeaderError(f"tensor {name}: rows of {dims[0]} values are not whole {qtype.name} blocks "
                                   f"of {block}")
-            n = int(np.prod(dims, dtype=np.int64)) if dims else 1
+            n = math.prod(dims)  # Python integers: no overflow, and no numpy call per tensor
             tensors.append(TensorInfo(name, qtype, tuple(int(d) for d in dims), start + offset, n * size // block))
         return tensors, pos
 
