@@ -5,7 +5,7 @@ The library is built with the system C compiler (`cc -O3 -march=native -fopenmp`
 headers, the flags and the CPU model, so a changed source, another compiler flag or another machine builds afresh
 and concurrent stations never read a half-written file (written to a temporary name, then renamed). It links the
 same OpenMP runtime torch already loaded (libgomp.so.1), so its threads are torch's threads. Where no compiler or
-no AVX2/FMA is present, `load_packed_linear` answers None and the reason, and the station uses torch's kernels
+no AVX2/FMA is present, `load_native` answers None and the reason, and the station uses torch's kernels
 instead.
 """
 from __future__ import annotations

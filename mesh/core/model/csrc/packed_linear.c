@@ -23,7 +23,7 @@
 
 float *thread_scratch(int slot, size_t floats); /* layer_ops.c: this thread's reused buffer */
 
-static void rows_block(const float *x, int64_t T, int64_t ldx, const float *w, int64_t kb, float *accbuf) {
+static void rows_block(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, float *accbuf) {
     all_rows_over_block(x, ldx, T, w, kb, PREFETCH_K, accbuf);
 }
 
@@ -40,7 +40,7 @@ void packed_linear_f32(const float *x, int64_t T, int64_t ldx, int64_t K, const 
             const float *w = wp + ti * K * TILE_N;
             memset(accbuf, 0, (size_t)T * TILE_N * sizeof(float));
             for (int64_t k0 = 0; k0 < K; k0 += BLOCK_K)
-                rows_block(x + k0, T, ldx, w + k0 * TILE_N, K - k0 < BLOCK_K ? K - k0 : BLOCK_K, accbuf);
+                rows_block(x + k0, ldx, T, w + k0 * TILE_N, K - k0 < BLOCK_K ? K - k0 : BLOCK_K, accbuf);
             int64_t n0 = ti * TILE_N;
             int n_valid = (int)(N - n0 < TILE_N ? N - n0 : TILE_N);
             for (int64_t t = 0; t < T; t++)

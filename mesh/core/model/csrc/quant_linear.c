@@ -21,6 +21,7 @@
 #define QBLOCK_K 64    /* k decoded at a time (two groups) */
 #define FEW_ROWS 4     /* up to this many rows (at most 4), weights are dequantized straight into the sums */
 #define QINLINE INLINE
+_Static_assert(QTILE_N == TILE_N, "a repacked tile is one register-tile width");
 
 #if defined(__AVX512F__)
 typedef __m512i qivec;
@@ -103,7 +104,7 @@ QINLINE void few_rows_of(const float *x, int64_t ldx, const int tb, const int cv
         const float *d = (const float *)grp, *m = d + QTILE_N, *xg = x + g * GROUP;
         const uint8_t *qs = group_quants(grp, qtype);
         for (int c0 = 0; c0 < QTILE_N; c0 += cv * LANES) {
-            vec a[4][VECS];
+            vec a[FEW_ROWS][VECS];
             for (int i = 0; i < tb; i++)
                 for (int j = 0; j < cv; j++) a[i][j] = vload(acc + i * QTILE_N + c0 + j * LANES);
             for (int k = 0; k < GROUP; k++)

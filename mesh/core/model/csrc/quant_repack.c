@@ -9,12 +9,10 @@
 
 #include "quant_blocks.h"
 
-/* IEEE binary16 (little-endian) -> float32, exactly (where F16C is missing). */
-__attribute__((unused)) static float half_to_float(const uint8_t *p) {
+#if !defined(__AVX512F__) && !defined(__F16C__)
+/* IEEE binary16 (little-endian) -> float32, exactly: scales16's path where no float16 conversion instruction exists. */
+static float half_to_float(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
     float f;
     if (exp == 0) {
@@ -28,8 +26,8 @@ __attribute__((unused)) static float half_to_float(const uint8_t *p) {
     }
     memcpy(&f, &bits, 4);
     return f;
-#endif
 }
+#endif
 
 /* Two 16 x 16 byte transposes at once, one in each 128-bit lane: r[i] holds 16 bytes of row i of block A in its low
  * lane and of block B in its high lane; byte j of the 16 rows goes to a + j * stride (A) and b + j * stride (B).
