@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -89,3 +91,16 @@ def test_missing_checkpoint_and_range_errors(tiny_llama, tmp_path):
         Station(tiny_llama, StationSpec(layers=(2, 9)))
     with pytest.raises(ConfigError, match="no config.json"):
         Station(tmp_path / "nowhere", StationSpec(layers=(0, 1)))
+
+
+def test_building_the_embedding_does_not_import_the_compiler(tiny_llama):
+    """nn.Embedding's random initialization on meta imports torch._dynamo (seconds of a fresh station's start)."""
+    code = ("import sys, torch\n"
+            "from mesh.core.config import ModelConfig\n"
+            "from mesh.core.model.llama import LlamaRange\n"
+            f"cfg = ModelConfig.from_dir({str(tiny_llama)!r})\n"
+            "with torch.device('meta'):\n"
+            "    LlamaRange(cfg, 0, cfg.num_hidden_layers)\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"

@@ -182,7 +182,10 @@ class _Body(nn.Module):
     def __init__(self, cfg: ModelConfig, start: int, end: int) -> None:
         super().__init__()
         if start == 0:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            # given its weight, nn.Embedding skips its random initialization (normal_, which on meta imports
+            # torch._dynamo: 1.5-2.8 s of a fresh station's first load); the checkpoint's is assigned next
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                             _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(start, end)})
         if end == cfg.num_hidden_layers:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
