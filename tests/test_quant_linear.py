@@ -11,7 +11,8 @@ from mesh.core.compute import on_compute_thread
 from mesh.core.config import ModelConfig, StationSpec
 from mesh.core.model.gguf_convert import convert_gguf
 from mesh.core.model.gguf_write import write_gguf
-from mesh.core.model.kernels import pack_rows, pad_bias, packed_linear, resolve_linear_backend, use_linear_backend
+from mesh.core.model.kernels import resolve_linear_backend, use_linear_backend
+from mesh.core.model.packed import pack_rows, pad_bias, packed_linear
 from mesh.core.model.llama import Linear
 from mesh.core.model.loader import load_range
 from mesh.core.model.quant_linear import QuantEmbedding, QuantFormatError, QuantRows, quant_linear, repack
@@ -43,9 +44,9 @@ def test_kernel_gives_the_packed_float32_bits_at_every_row_and_thread_count(qtyp
         qw, bias = repack([QuantRows("w", qtype, raw, k)]), pad_bias(torch.randn(n))
         x = torch.randn(17, k) * 3
         for t in range(1, 18):
-            ref = packed_linear(x[:t], pack_rows(dense), bias, n)
+            ref = packed_linear(x[:t], pack_rows([dense]), bias, n)
             assert torch.equal(quant_linear(x[:t], qw, bias, n, qtype), ref), (n, k, t)
-            assert torch.equal(quant_linear(x[:t], qw, None, n, qtype), packed_linear(x[:t], pack_rows(dense), None, n))
+            assert torch.equal(quant_linear(x[:t], qw, None, n, qtype), packed_linear(x[:t], pack_rows([dense]), None, n))
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
@@ -61,7 +62,7 @@ def test_parts_repack_side_by_side_in_their_row_order():
     fused = repack([QuantRows("a", Q.Q4_1, a, 64, order), QuantRows("b", Q.Q4_1, b, 64)])
     x = torch.randn(9, 64)
     assert torch.equal(quant_linear(x, fused, None, 107, Q.Q4_1),
-                       packed_linear(x, pack_rows(torch.cat([da[torch.from_numpy(order)], db])), None, 107))
+                       packed_linear(x, pack_rows([torch.cat([da[torch.from_numpy(order)], db])]), None, 107))
 
 
 def test_malformed_blocks_are_refused_with_a_clear_error():

@@ -13,9 +13,10 @@ from functools import partial
 import torch
 from torch import nn
 
-from mesh.core.model.kernels import PACK_TILE, native_rmsnorm, native_rope, native_silu_mul, packed_linear
+from mesh.core.model.kernels import native_rmsnorm, native_rope, native_silu_mul
 from mesh.core.model.llama import DecoderLayer, Linear, LlamaRange, rope_cos_sin
 from mesh.core.model.native import load_native
+from mesh.core.model.packed import PACK_TILE, packed_linear
 
 FIELDS = ("input_norm", "post_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "gate_up_weight",
           "down_weight")  # one row of the weights table, in csrc/fused_layer.c's order

@@ -18,15 +18,13 @@ rows cost what one did.
 F.linear and is row-count invariant on this machine (dense and blocked weights),
 and falls back to F.linear (exact to 1e-4, not bitwise batch-invariant) otherwise.
 
-The packed kernel (`packed_linear`, C in csrc/packed_linear.c, built by mesh.core.model.native) is row-count
-invariant by construction and reads the weights at memory speed: each output is one fused multiply-add chain
-over k in a fixed order, threads split only the output features, and the weight is packed once into tiles of
-64 output features so one call streams it once whatever the row count. It is float32 only; `auto` picks it for
-float32 on CPU after the same probe, else oneDNN, else F.linear.
+The packed kernel (`packed_linear`, mesh.core.model.packed) is row-count invariant by construction and reads the
+weights at memory speed; it is float32 only; `auto` picks it for float32 on CPU after the same probe, else oneDNN,
+else F.linear.
 """
 from __future__ import annotations
 
-from functools import cache, partial
+from functools import cache
 from typing import Callable
 
 import torch
@@ -35,11 +33,10 @@ from torch import nn
 
 from mesh.core.model.llama import MLP, Attention, Linear, RMSNorm
 from mesh.core.model.native import load_native
-from mesh.core.model.quant_linear import linear_operands, quant_linear, repack
+from mesh.core.model.packed import pack_rows, pad_bias, packed_linear, use_packed_linears
 
 LINEAR_BACKENDS = ("auto", "aten", "onednn", "packed")
 BATCH_INVARIANT_BACKENDS = ("packed", "onednn")  # a row's bits do not depend on the other rows of its wave
-PACK_TILE = 64  # output features per packed tile (csrc/packed_linear.c: TILE_N)
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 PACK_ROWS_HINT = 16  # row count oneDNN lays the weights out for (1 would pick a layout whose bits differ)
 
@@ -81,31 +78,6 @@ def _onednn_works(dtype: torch.dtype) -> bool:
         return False
 
 
-def pack_rows(w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] float32 -> packed [ceil(N/64), K, 64], the features past N zero."""
-    n, k = w.shape
-    tiles = -(-n // PACK_TILE)
-    padded = torch.zeros(tiles * PACK_TILE, k, dtype=w.dtype)
-    padded[:n] = w
-    return padded.view(tiles, PACK_TILE, k).transpose(1, 2).contiguous()  # [tiles, K, 64]
-
-
-def pad_bias(b: torch.Tensor) -> torch.Tensor:
-    """b [N] -> [ceil(N/64) * 64], zero past N (the packed kernel reads whole tiles)."""
-    out = torch.zeros(-(-b.shape[0] // PACK_TILE) * PACK_TILE, dtype=b.dtype)
-    out[: b.shape[0]] = b
-    return out
-
-
-def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int) -> torch.Tensor:
-    """x [T, K] float32 @ packed w [tiles, K, 64] (+ padded b) -> [T, n] through csrc/packed_linear.c."""
-    lib, x, out = linear_operands(x, n)
-    t, k = x.shape
-    lib.packed_linear_f32(x.data_ptr(), t, x.stride(0), k, w.data_ptr(), n,
-                          None if b is None else b.data_ptr(), out.data_ptr(), torch.get_num_threads())
-    return out
-
-
 @cache
 def _packed_works() -> bool:
     """The packed kernel builds, agrees with F.linear and gives a row the same bits at every row count."""
@@ -114,10 +86,10 @@ def _packed_works() -> bool:
         return False
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(37, 96, generator=g), torch.randn(80, 96, generator=g), torch.randn(80, generator=g)
-    full = packed_linear(x, pack_rows(w), pad_bias(b), 80)
+    full = packed_linear(x, pack_rows([w]), pad_bias(b), 80)
     if not torch.allclose(full, F.linear(x, w, b), atol=1e-4):
         return False
-    return all(torch.equal(packed_linear(x[:n], pack_rows(w), pad_bias(b), 80), full[:n]) for n in (1, 2, 3, 5, 16))
+    return all(torch.equal(packed_linear(x[:n], pack_rows([w]), pad_bias(b), 80), full[:n]) for n in (1, 2, 3, 5, 16))
 
 
 def resolve_linear_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -179,84 +151,6 @@ def use_native_layer_ops(model: nn.Module) -> None:
             module.rope_kernel = native_rope
         elif isinstance(module, MLP) and module.gate_up_proj is not None:
             module.act_kernel = native_silu_mul
-
-
-def _packed(linear: Linear) -> None:
-    """Move `linear` onto the packed path: its GGUF blocks repacked for quant_linear when the loader kept them
-    (linear.quant_rows), else its float32 weight packed for packed_linear; weight_layout says which."""
-    if linear.quant_rows is not None:
-        qtype = linear.quant_rows[0].qtype
-        linear.weight = nn.Parameter(repack(linear.quant_rows), requires_grad=False)
-        linear.kernel = partial(quant_linear, n=linear.out_features, qtype=qtype)
-        linear.weight_layout, linear.quant_rows = qtype.name.lower(), None
-    else:
-        linear.weight = nn.Parameter(pack_rows(linear.weight.detach()), requires_grad=False)
-        linear.kernel = partial(packed_linear, n=linear.out_features)
-        linear.weight_layout = "packed"
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(pad_bias(linear.bias.detach()), requires_grad=False)
-
-
-def _meta_linear(in_features: int, out_features: int) -> Linear:
-    """A Linear of these shapes, its weight on meta and no bias: nn.Linear's set-up without its random
-    initialization (a tenth of the cost; the weights are assigned next)."""
-    linear = Linear.__new__(Linear)
-    nn.Module.__init__(linear)
-    linear.in_features, linear.out_features = in_features, out_features
-    linear.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
-    linear.register_parameter("bias", None)
-    return linear
-
-
-def _fused(*parts: Linear) -> Linear | None:
-    """One packed Linear computing the parts' outputs side by side (each output's bits as the part's own); None
-    where the parts cannot share one weight (some kept quantized and some not, or of different types)."""
-    quant = [p.quant_rows for p in parts]
-    if any(q is not None for q in quant) and (None in quant or len({r.qtype for q in quant for r in q}) > 1):
-        return None
-    has_bias = any(p.bias is not None for p in parts)  # a part without a bias gets zeros (x + 0 is x)
-    fused = _meta_linear(parts[0].in_features, sum(p.out_features for p in parts))
-    if quant[0] is not None:
-        fused.quant_rows = tuple(r for q in quant for r in q)
-    else:
-        fused.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
-    if has_bias:
-        fused.bias = nn.Parameter(torch.cat([p.bias.detach() if p.bias is not None else torch.zeros(p.out_features)
-                                             for p in parts]), requires_grad=False)
-    _packed(fused)
-    return fused
-
-
-def use_packed_linears(model: nn.Module) -> None:
-    """Point every Linear of `model` at packed_linear (or quant_linear, for weights the loader kept quantized),
-    its weight replaced by the packed copy (a weight shared with the embedding is copied: the embedding keeps
-    reading the dense one). q/k/v and gate/up run as one fused packed Linear each (one weight stream, one call);
-    their own modules keep only their shapes."""
-    for module in list(model.modules()):
-        if isinstance(module, Attention):
-            names, attr = ("q_proj", "k_proj", "v_proj"), "qkv_proj"
-        elif isinstance(module, MLP):
-            names, attr = ("gate_proj", "up_proj"), "gate_up_proj"
-        else:
-            continue
-        fused = _fused(*(getattr(module, name) for name in names))
-        if fused is not None:
-            setattr(module, attr, fused)
-            for name in names:
-                _drop_weights(getattr(module, name))
-    for module in model.modules():
-        if isinstance(module, Linear) and module.kernel is None and (
-                module.weight.device.type != "meta" or module.quant_rows is not None):
-            _packed(module)
-
-
-def _drop_weights(linear: Linear) -> None:
-    """Free a Linear whose work a fused one took over (its shapes stay for the split)."""
-    if linear.weight.device.type != "meta":  # one kept quantized holds a meta weight already
-        linear.weight = nn.Parameter(torch.empty(linear.weight.shape, device="meta"), requires_grad=False)
-    linear.quant_rows = None
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(torch.empty(linear.bias.shape, device="meta"), requires_grad=False)
 
 
 def use_batch_invariant_linears(model: nn.Module) -> None:

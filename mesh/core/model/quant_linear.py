@@ -66,8 +66,15 @@ class QuantRows:
         return self.raw.shape[0] if self.order is None else len(self.order)
 
 
-def repack(parts: Sequence[QuantRows]) -> torch.Tensor:
-    """The parts' rows one after another (all one type and width) in quant_linear.c's tile layout: uint8 [bytes]."""
+def repacked_bytes(parts: Sequence[QuantRows]) -> int:
+    """The bytes `repack(parts)` fills: whole tiles of 64 rows, each K / 32 groups."""
+    tiles = -(-sum(p.out_features for p in parts) // TILE_ROWS)
+    return tiles * (parts[0].in_features // BLOCK_WEIGHTS) * GROUP_BYTES[parts[0].qtype]
+
+
+def repack(parts: Sequence[QuantRows], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The parts' rows one after another (all one type and width) in quant_linear.c's tile layout: uint8
+    [repacked_bytes(parts)], written into `out` where given (a weight_arena.WeightArena's)."""
     qtype, k = parts[0].qtype, parts[0].in_features
     if any(p.qtype != qtype or p.in_features != k for p in parts):
         raise QuantFormatError(f"{', '.join(p.name for p in parts)}: parts of one weight differ in type or width")
@@ -76,8 +83,11 @@ def repack(parts: Sequence[QuantRows]) -> torch.Tensor:
         raise RuntimeError(why)
     raws = [np.ascontiguousarray(p.raw) for p in parts]
     orders = [None if p.order is None else np.ascontiguousarray(p.order) for p in parts]
-    tiles = -(-sum(p.out_features for p in parts) // TILE_ROWS)
-    out = torch.empty(tiles * (k // BLOCK_WEIGHTS) * GROUP_BYTES[qtype], dtype=torch.uint8)
+    nbytes = repacked_bytes(parts)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+    elif out.dtype != torch.uint8 or out.shape != (nbytes,) or not out.is_contiguous():
+        raise ValueError(f"repack: out must be contiguous uint8 [{nbytes}], got {out.dtype} {list(out.shape)}")
     n = len(parts)
     lib.quant_repack((ctypes.c_void_p * n)(*(r.ctypes.data for r in raws)),
                      (ctypes.c_int64 * n)(*(p.out_features for p in parts)),

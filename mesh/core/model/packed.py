@@ -1,0 +1,164 @@
+"""The packed float32 CPU path: the tile layout, its kernel call, and the set-up that moves a model onto it.
+
+`packed_linear` (C in csrc/packed_linear.c, built by mesh.core.model.native) is row-count invariant by
+construction and reads the weights at memory speed: each output is one fused multiply-add chain over k in a fixed
+order, threads split only the output features, and the weight is packed once into tiles of 64 output features so
+one call streams it once whatever the row count. `use_packed_linears` packs every Linear of a model (GGUF blocks the
+loader kept go to mesh.core.model.quant_linear's layout instead) into one weight_arena.WeightArena, q/k/v and
+gate/up fused into one weight each.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+from torch import nn
+
+from mesh.core.model.llama import MLP, Attention, Linear
+from mesh.core.model.quant_linear import QuantRows, linear_operands, quant_linear, repack, repacked_bytes
+from mesh.core.model.weight_arena import WeightArena, aligned, tensor_bytes
+
+PACK_TILE = 64  # output features per packed tile (csrc/packed_linear.c: TILE_N)
+FUSED_PROJECTIONS = ((Attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+                     (MLP, ("gate_proj", "up_proj"), "gate_up_proj"))  # module type, its parts, the fused Linear
+WeightParts = tuple[torch.Tensor, ...] | tuple[QuantRows, ...]  # one weight's rows, part after part
+
+
+def pack_rows(parts: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The parts' rows one after another, [N, K] float32 in all -> packed [ceil(N/64), K, 64], the features past N
+    zero; written into `out` where given. A part's whole tiles are copied at once, no concatenated copy made."""
+    k, n = parts[0].shape[1], sum(p.shape[0] for p in parts)
+    tiles = -(-n // PACK_TILE)
+    if out is None:
+        out = torch.empty(tiles, k, PACK_TILE, dtype=torch.float32)
+    if out.shape != (tiles, k, PACK_TILE) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"pack_rows: out must be contiguous float32 [{tiles}, {k}, {PACK_TILE}]")
+    row = 0  # the fused weight's row where the part starts
+    for part in parts:
+        done = 0
+        while done < part.shape[0]:
+            tile, col = divmod(row + done, PACK_TILE)
+            whole = (part.shape[0] - done) // PACK_TILE if col == 0 else 0
+            if whole:  # whole tiles: [m, 64, K] rows -> [m, K, 64]
+                rows = part[done:done + whole * PACK_TILE].reshape(whole, PACK_TILE, k)
+                out[tile:tile + whole].copy_(rows.transpose(1, 2))
+                done += whole * PACK_TILE
+            else:  # the rows that share a tile with the part before or after
+                take = min(PACK_TILE - col, part.shape[0] - done)
+                out[tile, :, col:col + take].copy_(part[done:done + take].T)
+                done += take
+        row += part.shape[0]
+    if n % PACK_TILE:
+        out[-1, :, n % PACK_TILE:].zero_()
+    return out
+
+
+def pad_bias(b: torch.Tensor) -> torch.Tensor:
+    """b [N] -> [ceil(N/64) * 64], zero past N (the packed kernel reads whole tiles)."""
+    out = torch.zeros(-(-b.shape[0] // PACK_TILE) * PACK_TILE, dtype=b.dtype)
+    out[: b.shape[0]] = b
+    return out
+
+
+def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x [T, K] float32 @ packed w [tiles, K, 64] (+ padded b) -> [T, n] through csrc/packed_linear.c."""
+    lib, x, out = linear_operands(x, n)
+    t, k = x.shape
+    lib.packed_linear_f32(x.data_ptr(), t, x.stride(0), k, w.data_ptr(), n,
+                          None if b is None else b.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _weight_parts(linears: Sequence[Linear]) -> WeightParts | None:
+    """The rows the Linears' one packed weight is made of: their GGUF blocks (loader-kept) or their dense weights;
+    None where they cannot share one (some kept quantized and some not, or of different types)."""
+    quant = [q for lin in linears for q in (lin.quant_rows or ())]
+    if not quant:
+        return tuple(lin.weight.detach() for lin in linears)
+    if any(lin.quant_rows is None for lin in linears) or len({q.qtype for q in quant}) > 1:
+        return None
+    return tuple(quant)
+
+
+def _packed_shape(parts: WeightParts) -> tuple[tuple[int, ...], torch.dtype]:
+    """The shape and dtype of the parts' packed weight."""
+    if isinstance(parts[0], QuantRows):
+        return (repacked_bytes(parts),), torch.uint8
+    return (-(-sum(p.shape[0] for p in parts) // PACK_TILE), parts[0].shape[1], PACK_TILE), torch.float32
+
+
+def _fill(parts: WeightParts, out: torch.Tensor) -> torch.Tensor:
+    """The parts packed into `out`: quant_linear's tiles for GGUF blocks, else packed_linear's float32 tiles."""
+    return repack(parts, out) if isinstance(parts[0], QuantRows) else pack_rows(parts, out)
+
+
+def _point(linear: Linear, parts: WeightParts, weight: torch.Tensor) -> None:
+    """Move `linear` onto the packed path with `weight`, the parts packed (`_fill`); weight_layout says which."""
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if isinstance(parts[0], QuantRows):
+        linear.kernel = partial(quant_linear, n=linear.out_features, qtype=parts[0].qtype)
+        linear.weight_layout = parts[0].qtype.name.lower()
+    else:
+        linear.kernel = partial(packed_linear, n=linear.out_features)
+        linear.weight_layout = "packed"
+    linear.quant_rows = None
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(pad_bias(linear.bias.detach()), requires_grad=False)
+
+
+def _fused_linear(parts: Sequence[Linear]) -> Linear:
+    """One Linear, its weight on meta, computing the parts' outputs side by side (a part without a bias gets zeros:
+    x + 0 is x): nn.Linear's set-up without its random initialization."""
+    fused = Linear.__new__(Linear)
+    nn.Module.__init__(fused)
+    fused.in_features, fused.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+    fused.weight = nn.Parameter(torch.empty(fused.out_features, fused.in_features, device="meta"),
+                                requires_grad=False)
+    fused.register_parameter("bias", None)
+    if any(p.bias is not None for p in parts):
+        fused.bias = nn.Parameter(torch.cat([p.bias.detach() if p.bias is not None else torch.zeros(p.out_features)
+                                             for p in parts]), requires_grad=False)
+    return fused
+
+
+def _drop_weights(linear: Linear) -> None:
+    """Free a Linear whose work a fused one took over (its shapes stay for the split)."""
+    if linear.weight.device.type != "meta":  # one kept quantized holds a meta weight already
+        linear.weight = nn.Parameter(torch.empty(linear.weight.shape, device="meta"), requires_grad=False)
+    linear.quant_rows = None
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(torch.empty(linear.bias.shape, device="meta"), requires_grad=False)
+
+
+def use_packed_linears(model: nn.Module) -> None:
+    """Point every Linear of `model` at packed_linear (or quant_linear, for weights the loader kept quantized), its
+    weight replaced by the packed copy in one WeightArena (a weight shared with the embedding is copied: the
+    embedding keeps reading the dense one). q/k/v and gate/up run as one fused packed Linear each (one weight
+    stream, one call); their own modules keep only their shapes."""
+    jobs: list[tuple[Linear, WeightParts]] = []
+    for module in list(model.modules()):
+        for kind, names, attr in FUSED_PROJECTIONS:
+            if not isinstance(module, kind):
+                continue
+            linears = [getattr(module, name) for name in names]
+            parts = _weight_parts(linears)
+            if parts is None:
+                continue
+            fused = _fused_linear(linears)
+            setattr(module, attr, fused)
+            jobs.append((fused, parts))
+            for linear in linears:
+                _drop_weights(linear)
+    for module in model.modules():
+        if isinstance(module, Linear) and module.kernel is None and (
+                module.weight.device.type != "meta" or module.quant_rows is not None):
+            jobs.append((module, _weight_parts([module])))
+    arena = WeightArena(sum(aligned(tensor_bytes(*_packed_shape(parts))) for _, parts in jobs))
+    try:
+        outs = [arena.take(*_packed_shape(parts)) for _, parts in jobs]
+        weights = [_fill(parts, out) for (_, parts), out in zip(jobs, outs)]
+    finally:
+        arena.close()
+    for (linear, parts), weight in zip(jobs, weights):
+        _point(linear, parts, weight)
