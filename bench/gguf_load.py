@@ -1,6 +1,6 @@
 """Loading a station's share of a quantized GGUF against the same weights from safetensors.
 
-    python bench/gguf_load.py [--model FILE.gguf] [--layers 0-15] [--repeats 7]
+    python bench/gguf_load.py [--model FILE.gguf] [--layers 0-15] [--repeats 7] [--fresh 7]
 
 Default: the embedded SmolLM2-135M-Instruct Q4_1 GGUF and its float32 safetensors conversion in the cache.
 Medians of alternated runs, in seconds, each side as a station of this machine's `auto` linear backend does it
@@ -16,12 +16,18 @@ Medians of alternated runs, in seconds, each side as a station of this machine's
   float32_write_s         writing as many float32 values as the dequantized layers hold (np.ones): the floor of any
                           load that materializes float32 weights
 The process's cache of parsed GGUF headers is cleared before each GGUF run (a station process parses once).
+Repeated loads in one process reuse memory the earlier ones freed; a station loads once, into fresh memory. So
+`--fresh N` also times N loads of each kind alternated, each the first load of a new process (after the imports and
+the kernels' probe, which a station pays once whatever its checkpoint): safetensors_fresh_s, gguf_fresh_s,
+safetensors_station_fresh_s and their ratio gguf_over_safetensors_fresh.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -60,13 +66,47 @@ def _station_load(path: Path, cfg: ModelConfig, start: int, end: int, backend: s
     return model, report
 
 
+FRESH_KINDS = ("safetensors", "gguf", "safetensors_station")
+
+
+def _one_fresh_load(kind: str, gguf: Path, hf_dir: Path, layers: str) -> None:
+    """In a new process: the first load of its kind, timed after the imports and the kernels' probe; prints seconds."""
+    backend = resolve_linear_backend("auto", torch.device("cpu"), torch.float32)
+    cfg = ModelConfig.from_dir(hf_dir)
+    start, end = (int(x) for x in layers.split("-"))
+    load = {"safetensors": lambda: load_range(hf_dir, cfg, start, end),
+            "gguf": lambda: _station_load(gguf, cfg, start, end, backend, backend == "packed"),
+            "safetensors_station": lambda: _station_load(hf_dir, cfg, start, end, backend, False)}[kind]
+    print(_seconds(lambda: on_compute_thread(load)))
+
+
+def _fresh_loads(n: int, gguf: Path, hf_dir: Path, layers: str) -> dict[str, float]:
+    """Medians of n fresh-process loads of each kind, the kinds alternated."""
+    times: dict[str, list[float]] = {k: [] for k in FRESH_KINDS}
+    for _ in range(n):
+        for kind in FRESH_KINDS:
+            out = subprocess.run([sys.executable, __file__, "--one-fresh", kind, "--model", str(gguf),
+                                  "--hf-dir", str(hf_dir), "--layers", layers],
+                                 capture_output=True, text=True, timeout=300, check=True)
+            times[kind].append(float(out.stdout.split()[-1]))
+    med = {f"{k}_fresh_s": round(statistics.median(v), 3) for k, v in times.items()}
+    med["gguf_over_safetensors_fresh"] = round(med["gguf_fresh_s"] / med["safetensors_fresh_s"], 2)
+    return med
+
+
 def main() -> None:
     """Time the loads of one layer range and print one JSON line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="a .gguf file (default: the embedded SmolLM2 Q4_1)")
     p.add_argument("--layers", default="0-15", help="A-B: the station's layer range [A, B)")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--fresh", type=int, default=0, help="also N loads of each kind, each in a new process")
+    p.add_argument("--one-fresh", choices=FRESH_KINDS, help=argparse.SUPPRESS)  # the child of --fresh
+    p.add_argument("--hf-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.one_fresh:
+        _one_fresh_load(args.one_fresh, Path(args.model), Path(args.hf_dir), args.layers)
+        return
     gguf = Path(args.model) if args.model else smollm2_gguf()
     backend = resolve_linear_backend("auto", torch.device("cpu"), torch.float32)
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,11 +128,13 @@ def main() -> None:
         for _ in range(args.repeats):  # alternating, so a change in the machine's load hits both alike
             for k, fn in loads.items():
                 times[k].append(_seconds(fn))
+        fresh = _fresh_loads(args.fresh, gguf, hf_dir, args.layers) if args.fresh else {}
     med = {f"{k}_s": round(statistics.median(v), 3) for k, v in times.items()}
     print(json.dumps({"model": gguf.name, "layers": [start, end], "backend": backend, **med,
                       "gguf_weight_bytes": kept.weight_bytes, "dequantized_weight_bytes": report.weight_bytes,
                       "gguf_over_safetensors": round(med["gguf_s"] / med["safetensors_s"], 2),
-                      "gguf_over_safetensors_station": round(med["gguf_s"] / med["safetensors_station_s"], 2)}))
+                      "gguf_over_safetensors_station": round(med["gguf_s"] / med["safetensors_station_s"], 2),
+                      **fresh}))
 
 
 if __name__ == "__main__":
