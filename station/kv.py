@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mesh.core.config import DTYPE_BYTES, ModelConfig, StationSpec
+from mesh.core.model.host_memory import zero_pages
 from mesh.core.model.loader import TORCH_DTYPES
 
 DEFAULT_BLOCK_TOKENS = 16
@@ -43,6 +44,13 @@ class KVStats:
     sequences: int
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Zeros; on CPU as pages the OS maps on first use (nothing written at start: host_memory.zero_pages)."""
+    if torch.device(device).type == "cpu":
+        return zero_pages(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def blocks_for(tokens: int, block_tokens: int) -> int:
     """Blocks needed to hold `tokens` positions."""
     return -(-tokens // block_tokens)
@@ -61,8 +69,7 @@ class KVPool:
             raise KVBudgetError(f"kv_bytes {spec.kv_bytes} is below one block ({self.block_bytes} bytes)")
         self.spare_block = self.num_blocks  # one block past the budget, lent by `spare` (never in the stats)
         shape = (self.layers, self.num_blocks + 1, cfg.num_key_value_heads, block_tokens, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
-        self.v = torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=spec.device)
+        self.k, self.v = (_zeros(shape, TORCH_DTYPES[spec.dtype], spec.device) for _ in "kv")
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low indices first (may hold stale ids)
         self._refs = [0] * self.num_blocks  # sequences holding each block (a shared prefix block: several)
         self._used = 0  # blocks some sequence holds

@@ -10,7 +10,6 @@ from mesh.core.model.kernels import resolve_linear_backend, use_linear_backend
 from mesh.core.model.llama import Linear
 from mesh.core.model.loader import load_range
 from mesh.core.model.packed import PACK_TILE, pack_rows
-from mesh.core.model.weight_arena import ALIGN, WeightArena
 
 
 def _tiles_by_index(w: torch.Tensor) -> torch.Tensor:
@@ -30,20 +29,6 @@ def test_parts_pack_into_the_tiles_of_their_rows_one_after_another(sizes):
     assert torch.equal(pack_rows(parts), expected)
     into = torch.full(expected.shape, float("nan"))  # whatever the memory held: every value is written
     assert pack_rows(parts, into) is into and torch.equal(into, expected)
-
-
-def test_arena_carves_disjoint_aligned_tensors_and_refuses_overflow():
-    arena = WeightArena(1 << 20)
-    a, b = arena.take((100, 3), torch.float32), arena.take((1000,), torch.uint8)
-    assert a.shape == (100, 3) and b.shape == (1000,) and a.is_contiguous()
-    assert a.data_ptr() % ALIGN == 0 and b.data_ptr() % ALIGN == 0
-    assert b.data_ptr() >= a.data_ptr() + a.numel() * 4
-    a.fill_(1.0), b.fill_(7)
-    assert bool((a == 1.0).all()) and bool((b == 7).all())
-    with pytest.raises(ValueError, match="do not fit"):
-        arena.take((1 << 20,), torch.uint8)
-    arena.close()
-    arena.close()  # a second close is harmless
 
 
 def test_a_packed_station_holds_its_linear_weights_in_one_allocation(tiny_llama):

@@ -4,7 +4,7 @@
 construction and reads the weights at memory speed: each output is one fused multiply-add chain over k in a fixed
 order, threads split only the output features, and the weight is packed once into tiles of 64 output features so
 one call streams it once whatever the row count. `use_packed_linears` packs every Linear of a model (GGUF blocks the
-loader kept go to mesh.core.model.quant_linear's layout instead) into one weight_arena.WeightArena, q/k/v and
+loader kept go to mesh.core.model.quant_linear's layout instead) into one host_memory.WeightArena, q/k/v and
 gate/up fused into one weight each.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 
 from mesh.core.model.llama import MLP, Attention, Linear
 from mesh.core.model.quant_linear import QuantRows, linear_operands, quant_linear, repack, repacked_bytes
-from mesh.core.model.weight_arena import WeightArena, aligned, tensor_bytes
+from mesh.core.model.host_memory import WeightArena, aligned, tensor_bytes
 
 PACK_TILE = 64  # output features per packed tile (csrc/packed_linear.c: TILE_N)
 FUSED_PROJECTIONS = ((Attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),

@@ -74,7 +74,7 @@ def repacked_bytes(parts: Sequence[QuantRows]) -> int:
 
 def repack(parts: Sequence[QuantRows], out: torch.Tensor | None = None) -> torch.Tensor:
     """The parts' rows one after another (all one type and width) in quant_linear.c's tile layout: uint8
-    [repacked_bytes(parts)], written into `out` where given (a weight_arena.WeightArena's)."""
+    [repacked_bytes(parts)], written into `out` where given (a host_memory.WeightArena's)."""
     qtype, k = parts[0].qtype, parts[0].in_features
     if any(p.qtype != qtype or p.in_features != k for p in parts):
         raise QuantFormatError(f"{', '.join(p.name for p in parts)}: parts of one weight differ in type or width")

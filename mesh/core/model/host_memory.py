@@ -1,18 +1,22 @@
-"""One allocation for a station's packed weights, its pages faulted in ahead of the packing by a second thread.
+"""Fresh host memory for a station: its packed weights in one arena, its KV cache as zero pages the OS maps on use.
 
-Packing (or repacking GGUF blocks) writes every weight once into fresh memory, and fresh memory costs a page fault
-per 4 KiB page first touched: on the VMs measured here ~0.8 us each (30-35 ms for 40 MiB, half a small GGUF
-station's packing). The arena is one allocation of a size known up front; while the packing fills it from the
-front, a thread asks the kernel to fault the whole range in (madvise MADV_POPULATE_WRITE, Linux 5.14+: one call,
-no trap per page, 22 ms for 40 MiB), so the faults overlap the packing's own work. Where the call is refused
-(another OS, an older kernel) the pages fault on first write as before; the contents are the same either way.
-(Transparent huge pages were measured too: 10 ms for 100 MiB on a good run and 220-450 ms on most, as the host
-backs each 2 MiB page; not used.)
+Fresh memory costs a page fault per 4 KiB page first touched: on the VMs measured here ~3 us each (30-35 ms for
+40 MiB), as the host backs each page.
+- Packing (or repacking GGUF blocks) writes every weight once. `WeightArena` is one allocation of a size known up
+  front; while the packing fills it from the front, a thread asks the kernel to fault the whole range in (madvise
+  MADV_POPULATE_WRITE, Linux 5.14+: one call, no trap per page, 22 ms for 40 MiB), so the faults overlap the
+  packing's own work. Where the call is refused (another OS, an older kernel) the pages fault on first write.
+- The KV cache must read as zeros where nothing was written (a masked position's value still meets a zero
+  probability). `zero_pages` maps them from the OS, which hands out zeroed pages on first touch: a station's
+  budget is not written at start (torch.zeros wrote 256 MiB: ~90 ms of every start) and a page costs its fault when
+  a sequence first reaches it.
+Transparent huge pages were measured too: 10 ms for 100 MiB on a good run, 220-450 ms on most; not used.
 """
 from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 import sys
 import threading
 
@@ -31,6 +35,15 @@ def aligned(nbytes: int) -> int:
 def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """The bytes a contiguous tensor of `shape` and `dtype` holds."""
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous CPU tensor of zeros whose pages the OS maps (zeroed) on first touch, not written here."""
+    nbytes = tensor_bytes(shape, dtype)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor holds `region` open while it lives
 
 
 def _populate(address: int, nbytes: int) -> None:
