@@ -2,7 +2,7 @@
 
 A station loading a GGUF with the packed backend keeps its Q8_0, Q4_0 and Q4_1 linear weights as they are in the
 file: `QuantRows` names a weight's rows of 32-weight blocks (memory-mapped, nothing read), `repack` lays them out
-once for csrc/quant_linear.c (a byte transpose into tiles of 64 output rows, the float16 scales widened to float32),
+once for csrc/quant_linear.c (a byte transpose into tiles of 64 output rows, the float16 scales gathered beside them),
 and `quant_linear` computes x W^T from that layout, dequantizing in registers. Each weight dequantizes to exactly
 the float32 the `gguf` package (and mesh.core.model.gguf_dequant) gives it, and each output is the fused
 multiply-add chain of the packed float32 kernel, so the station's bits are those of a station holding the
@@ -28,7 +28,7 @@ BLOCK_WEIGHTS = 32
 BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}  # float16 scale (and minimum), then the quants
 TILE_ROWS = 64
 REPACK_THREADS = 1  # a byte transpose, ~4 G weights/s on one core; a second thread's wake-up costs more where busy
-GROUP_BYTES = {Q.Q8_0: 64 * 4 + 32 * 64, Q.Q4_0: 64 * 4 + 16 * 64, Q.Q4_1: 64 * 8 + 16 * 64}  # one tile's group
+GROUP_BYTES = {Q.Q8_0: 64 * 2 + 32 * 64, Q.Q4_0: 64 * 2 + 16 * 64, Q.Q4_1: 64 * 4 + 16 * 64}  # one tile's group
 
 
 class QuantFormatError(ValueError):

@@ -1,7 +1,8 @@
 /* GGUF's 32-weight blocks as the quantized linear holds them (quant_repack.c lays them out, quant_linear.c reads them).
  *
  * Layout (quant_repack builds it once at load): the N output rows in tiles of 64 (zero rows past N); each tile is
- * K / 32 groups, a group is the tile's 64 scales (float32), for Q4_1 its 64 minimums (float32), then the blocks'
+ * K / 32 groups, a group is the tile's 64 scales (float16, as in the blocks), for Q4_1 its 64 minimums (float16),
+ * then the blocks'
  * quant bytes transposed, [byte][64 rows]: Q8_0 32 signed bytes (k = byte); Q4_0 / Q4_1 16 bytes, k = byte in the
  * low nibble and k = byte + 16 in the high one, as in the GGUF block. So a repack is a byte transpose and a k's 64
  * weights are 64 consecutive bytes.
@@ -19,15 +20,20 @@ enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
 /* Bytes of one group of a 64-row tile in the repacked layout. */
 static inline int64_t quant_group_bytes(int qtype) {
     switch (qtype) {
-        case Q8_0: return QTILE_N * 4 + GROUP * QTILE_N;      /* scales, 32 bytes a row */
-        case Q4_0: return QTILE_N * 4 + GROUP / 2 * QTILE_N;  /* scales, 16 bytes a row */
-        default: return QTILE_N * 8 + GROUP / 2 * QTILE_N;    /* Q4_1: scales and minimums, 16 bytes a row */
+        case Q8_0: return QTILE_N * 2 + GROUP * QTILE_N;      /* scales, 32 bytes a row */
+        case Q4_0: return QTILE_N * 2 + GROUP / 2 * QTILE_N;  /* scales, 16 bytes a row */
+        default: return QTILE_N * 4 + GROUP / 2 * QTILE_N;    /* Q4_1: scales and minimums, 16 bytes a row */
     }
 }
 
 /* Bytes of a GGUF block: the float16 scale (and minimum), then the quants. */
 static inline __attribute__((always_inline)) int64_t block_bytes(int qtype) {
     return qtype == Q8_0 ? 34 : qtype == Q4_0 ? 18 : 20;
+}
+
+/* Bytes of a group's float16 scales (and minimums) ahead of its quants. */
+static inline __attribute__((always_inline)) int64_t group_scale_bytes(int qtype) {
+    return qtype == Q4_1 ? QTILE_N * 4 : QTILE_N * 2;
 }
 
 #endif

@@ -5,8 +5,9 @@
  * multiply-adds over k = 0, 1, ..., K-1 in order from zero, then the bias. So a station holding these weights gives
  * the bits of one holding them dequantized in packed float32 tiles, at every row count and thread count.
  *
- * The weights are laid out once at load (quant_repack.c; the layout in quant_blocks.h): a group's 64 scales, minimums
- * and transposed quant bytes, so a k's 64 weights are 64 consecutive bytes. For one to four rows of x (decode steps)
+ * The weights are laid out once at load (quant_repack.c; the layout in quant_blocks.h): a group's 64 float16 scales,
+ * minimums and transposed quant bytes, so a k's 64 weights are 64 consecutive bytes; a group's scales are widened
+ * to float32 once per pass over the group. For one to four rows of x (decode steps)
  * each weight is dequantized in registers straight into the sums; for more, a k-block of 64 is decoded into a
  * float32 buffer that stays in L1 while every row tile of up to 6 rows passes over it (register_tile.h),
  * accumulators in registers.
@@ -51,7 +52,41 @@ QINLINE vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 
 /* The quant bytes of a group (after its scales and minimums). */
 QINLINE const uint8_t *group_quants(const uint8_t *grp, const int qtype) {
-    return grp + (qtype == Q4_1 ? QTILE_N * 8 : QTILE_N * 4);
+    return grp + group_scale_bytes(qtype);
+}
+
+#if !defined(__F16C__)
+/* IEEE binary16 -> float32, exactly: group_scales' path where no float16 conversion instruction exists. */
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    float f;
+    if (exp == 0) {
+        f = (float)man * (1.0f / 16777216.0f); /* zero or subnormal: man * 2^-24, exact */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#endif
+
+/* A group's 64 float16 scales (and, for Q4_1, 64 minimums) widened to float32 into d (and m): exact, the values
+ * the gguf package gives. */
+QINLINE void group_scales(const uint8_t *grp, const int qtype, float *d, float *m) {
+    const uint16_t *h = (const uint16_t *)grp;
+    for (int sc = 0; sc < (qtype == Q4_1 ? 2 : 1); sc++) {
+        float *out = sc ? m : d;
+#if defined(__F16C__)
+        for (int j = 0; j < QTILE_N; j += 8)
+            _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + sc * QTILE_N + j))));
+#else
+        for (int j = 0; j < QTILE_N; j++) out[j] = half_to_float(h[sc * QTILE_N + j]);
+#endif
+    }
 }
 
 /* LANES rows' weights at k of a group, their quants at qs (the k's 64 bytes, offset to these rows), their scales d
@@ -66,18 +101,21 @@ QINLINE vec dequantize(const uint8_t *qs, const int qtype, int k, vec d, vec m) 
     return vadd(p, m);
 }
 
-/* The 64 rows' weights of one k of a group, dequantized into w[64] (qtype a constant where inlined). */
-QINLINE void decode_k(const uint8_t *grp, const int qtype, int k, float *w) {
-    const float *d = (const float *)grp, *m = d + QTILE_N;
-    const uint8_t *qs = group_quants(grp, qtype);
+/* The 64 rows' weights of one k of a group (its quants qs, its widened scales d and minimums m), dequantized into
+ * w[64] (qtype a constant where inlined). */
+QINLINE void decode_k(const uint8_t *qs, const int qtype, int k, const float *d, const float *m, float *w) {
     for (int j = 0; j < QTILE_N; j += LANES)
         vstore(w + j, dequantize(qs + j, qtype, k, vload(d + j), qtype == Q4_1 ? vload(m + j) : vload(d + j)));
 }
 
-/* Weights k0 .. k0 + kb - 1 of one tile (k0 a multiple of 32), dequantized into wb [kb][64]. */
+/* Weights k0 .. k0 + kb - 1 of one tile (k0 and kb multiples of 32: whole groups), dequantized into wb [kb][64]. */
 QINLINE void decode_block_of(const uint8_t *tile, int64_t gbytes, const int qtype, int64_t k0, int kb, float *wb) {
-    for (int k = 0; k < kb; k++)
-        decode_k(tile + ((k0 + k) / GROUP) * gbytes, qtype, (int)((k0 + k) % GROUP), wb + k * QTILE_N);
+    float d[QTILE_N] __attribute__((aligned(64))), m[QTILE_N] __attribute__((aligned(64)));
+    for (int k = 0; k < kb; k += GROUP) {
+        const uint8_t *grp = tile + ((k0 + k) / GROUP) * gbytes;
+        group_scales(grp, qtype, d, m);
+        for (int j = 0; j < GROUP; j++) decode_k(group_quants(grp, qtype), qtype, j, d, m, wb + (k + j) * QTILE_N);
+    }
 }
 
 static void decode_block(const uint8_t *tile, int64_t gbytes, int qtype, int64_t k0, int kb, float *wb) {
@@ -101,7 +139,9 @@ QINLINE void few_rows_of(const float *x, int64_t ldx, const int tb, const int cv
                          int64_t gbytes, const int qtype, int64_t K, float *acc) {
     for (int64_t g = 0; g < K / GROUP; g++) {
         const uint8_t *grp = tile + g * gbytes;
-        const float *d = (const float *)grp, *m = d + QTILE_N, *xg = x + g * GROUP;
+        float d[QTILE_N] __attribute__((aligned(64))), m[QTILE_N] __attribute__((aligned(64)));
+        group_scales(grp, qtype, d, m);
+        const float *xg = x + g * GROUP;
         const uint8_t *qs = group_quants(grp, qtype);
         for (int c0 = 0; c0 < QTILE_N; c0 += cv * LANES) {
             vec a[FEW_ROWS][VECS];

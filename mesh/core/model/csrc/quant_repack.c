@@ -1,6 +1,6 @@
 /* The quantized linear's load-time layout: a linear's GGUF blocks (Q8_0, Q4_0, Q4_1) repacked into tiles of 64 output
- * rows, group by group, the float16 scales and minimums widened to float32 and the quant bytes transposed (the layout
- * is described in quant_blocks.h). Run once per weight when a station loads.
+ * rows, group by group, the float16 scales and minimums gathered and the quant bytes transposed (the layout is
+ * described in quant_blocks.h). Run once per weight when a station loads.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -8,26 +8,6 @@
 #include <immintrin.h>
 
 #include "quant_blocks.h"
-
-#if !defined(__AVX512F__) && !defined(__F16C__)
-/* IEEE binary16 (little-endian) -> float32, exactly: scales16's path where no float16 conversion instruction exists. */
-static float half_to_float(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    float f;
-    if (exp == 0) {
-        f = (float)man * (1.0f / 16777216.0f); /* zero or subnormal: man * 2^-24, exact */
-        memcpy(&bits, &f, 4);
-        bits |= sign;
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    memcpy(&f, &bits, 4);
-    return f;
-}
-#endif
 
 /* Two 16 x 16 byte transposes at once, one in each 128-bit lane: r[i] holds 16 bytes of row i of block A in its low
  * lane and of block B in its high lane; byte j of the 16 rows goes to a + j * stride (A) and b + j * stride (B).
@@ -61,44 +41,31 @@ static inline uint32_t load_u32(const uint8_t *p) {
     return v;
 }
 
-/* The float16 scale (and, with 2 scales, the minimum after it) at byte `off` of 16 rows, as float32 into d[0..15]
- * (and d[64..79]). */
-static void scales16(const uint8_t *const rows[16], int64_t off, int scales, float *d) {
+/* The float16 scale (and, with 2 scales, the minimum after it) at byte `off` of 16 rows, gathered into h[0..15] (and
+ * h[64..79]) as they are. */
+static void scales16(const uint8_t *const rows[16], int64_t off, int scales, uint16_t *h) {
     /* each row's first 4 bytes: scale | minimum << 16 (a Q8_0 / Q4_0 block's first quants), inserted into vectors
      * from the loads (not stored then reloaded: that load would wait on 16 narrow stores) */
 #define ROW_WORD(i) ((int)load_u32(rows[i] + off))
-#if defined(__AVX512F__)
-    __m512i v = _mm512_setr_epi32(ROW_WORD(0), ROW_WORD(1), ROW_WORD(2), ROW_WORD(3), ROW_WORD(4), ROW_WORD(5),
-                                  ROW_WORD(6), ROW_WORD(7), ROW_WORD(8), ROW_WORD(9), ROW_WORD(10), ROW_WORD(11),
-                                  ROW_WORD(12), ROW_WORD(13), ROW_WORD(14), ROW_WORD(15));
-    _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
-    if (scales == 2) _mm512_storeu_ps(d + QTILE_N, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))));
-#elif defined(__F16C__)
     __m256i lo = _mm256_setr_epi32(ROW_WORD(0), ROW_WORD(1), ROW_WORD(2), ROW_WORD(3), ROW_WORD(4), ROW_WORD(5),
                                    ROW_WORD(6), ROW_WORD(7));
     __m256i hi = _mm256_setr_epi32(ROW_WORD(8), ROW_WORD(9), ROW_WORD(10), ROW_WORD(11), ROW_WORD(12), ROW_WORD(13),
                                    ROW_WORD(14), ROW_WORD(15));
+#undef ROW_WORD
     for (int sc = 0; sc < scales; sc++) {  /* the 16 halves in row order: pack (lane-wise), then put lanes in order */
         __m256i a = sc ? _mm256_srli_epi32(lo, 16) : _mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF));
         __m256i b = sc ? _mm256_srli_epi32(hi, 16) : _mm256_and_si256(hi, _mm256_set1_epi32(0xFFFF));
-        __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
-        _mm256_storeu_ps(d + sc * QTILE_N, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
-        _mm256_storeu_ps(d + sc * QTILE_N + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+        _mm256_storeu_si256((__m256i *)(h + sc * QTILE_N), _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8));
     }
-#else
-    for (int i = 0; i < 16; i++)
-        for (int sc = 0; sc < scales; sc++) d[sc * QTILE_N + i] = half_to_float(rows[i] + off + 2 * sc);
-#endif
-#undef ROW_WORD
 }
 
 /* Group g (weights 32 g .. 32 g + 31) of a tile's 64 rows, gathered from their GGUF blocks into grp (the layout
  * above). */
 static void gather_group(const uint8_t *const row[QTILE_N], int qtype, int64_t g, uint8_t *grp) {
     int64_t off = g * block_bytes(qtype), head = qtype == Q4_1 ? 4 : 2, scales = qtype == Q4_1 ? 2 : 1;
-    uint8_t *qs = grp + scales * QTILE_N * 4;
+    uint8_t *qs = grp + group_scale_bytes(qtype);
     __m256i r[16];
-    for (int lg = 0; lg < QTILE_N; lg += 16) scales16(row + lg, off, (int)scales, (float *)grp + lg);
+    for (int lg = 0; lg < QTILE_N; lg += 16) scales16(row + lg, off, (int)scales, (uint16_t *)grp + lg);
     if (qtype == Q8_0) {  /* 16 rows at a time, their bytes 0..15 and 16..31 side by side */
         for (int lg = 0; lg < QTILE_N; lg += 16) {
             for (int i = 0; i < 16; i++) r[i] = _mm256_loadu_si256((const __m256i *)(row[lg + i] + off + head));
