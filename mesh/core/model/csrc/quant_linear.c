@@ -89,16 +89,22 @@ QINLINE void group_scales(const uint8_t *grp, const int qtype, float *d, float *
     }
 }
 
-/* LANES rows' weights at k of a group, their quants at qs (the k's 64 bytes, offset to these rows), their scales d
- * and minimums m (float32): the float32 the gguf package gives each. */
-QINLINE vec dequantize(const uint8_t *qs, const int qtype, int k, vec d, vec m) {
-    if (qtype == Q8_0) return vmul(tofloat(load_i8(qs + k * QTILE_N)), d);
-    qivec q = load_u8(qs + (k & 15) * QTILE_N);
-    q = k < 16 ? ilow(q) : ihigh(q);
-    if (qtype == Q4_0) return vmul(tofloat(iminus8(q)), d);
-    vec p = vmul(tofloat(q), d);
+/* LANES rows' weights at one k of a group: q the k's quant bytes (offset to these rows; for Q4_0 / Q4_1 the byte row
+ * k mod 16, its high nibbles when `high`), their scales d and minimums m (float32): the float32 the gguf package
+ * gives each. */
+QINLINE vec dequantize_at(const uint8_t *q, const int qtype, const int high, vec d, vec m) {
+    if (qtype == Q8_0) return vmul(tofloat(load_i8(q)), d);
+    qivec v = high ? ihigh(load_u8(q)) : ilow(load_u8(q));
+    if (qtype == Q4_0) return vmul(tofloat(iminus8(v)), d);
+    vec p = vmul(tofloat(v), d);
     ROUNDED(p);
     return vadd(p, m);
+}
+
+/* The same for k of a group, its quants at qs (the group's, offset to these rows). */
+QINLINE vec dequantize(const uint8_t *qs, const int qtype, int k, vec d, vec m) {
+    if (qtype == Q8_0) return dequantize_at(qs + (int64_t)k * QTILE_N, qtype, 0, d, m);
+    return dequantize_at(qs + (int64_t)(k & 15) * QTILE_N, qtype, k >= 16, d, m);
 }
 
 /* The 64 rows' weights of one k of a group (its quants qs, its widened scales d and minimums m), dequantized into
@@ -130,6 +136,20 @@ static void rows_over_block(const float *x, int64_t ldx, int64_t T, const float 
     all_rows_over_block(x, ldx, T, wb, kb, 0, acc);  /* the weights are in L1: nothing to prefetch */
 }
 
+/* k = k0 .. k0 + n - 1 of one group for few_rows_of: tb rows of x (xg, the group's first k) into the sums a, cv
+ * vectors of columns (q: byte row 0 of those columns; Q4_0 / Q4_1 read byte row k - k0 and its `high` nibbles,
+ * Q8_0 byte row k). Pointer steps and constant nibble choice keep the loop free of index arithmetic and branches. */
+QINLINE void few_rows_k(const float *xg, int64_t ldx, const int tb, const int cv, const uint8_t *q, const int qtype,
+                        const int k0, const int n, const int high, const float *d, const float *m,
+                        vec a[FEW_ROWS][VECS]) {
+    for (int kk = 0; kk < n; kk++, q += QTILE_N)
+        for (int j = 0; j < cv; j++) {
+            vec w = dequantize_at(q + j * LANES, qtype, high, vload(d + j * LANES),
+                                  qtype == Q4_1 ? vload(m + j * LANES) : vload(d + j * LANES));
+            for (int i = 0; i < tb; i++) a[i][j] = vfma(vbroadcast(xg + i * ldx + k0 + kk), w, a[i][j]);
+        }
+}
+
 /* tb (1 .. 4, constant) rows of x over a whole tile (all K), each weight dequantized in registers straight into
  * the sums: for decode steps, where a weight meets too few rows to pay for a float32 buffer. The columns go cv
  * vectors at a time (cv constant: enough independent sums to hide the fused multiply-add's latency, few enough to
@@ -147,12 +167,12 @@ QINLINE void few_rows_of(const float *x, int64_t ldx, const int tb, const int cv
             vec a[FEW_ROWS][VECS];
             for (int i = 0; i < tb; i++)
                 for (int j = 0; j < cv; j++) a[i][j] = vload(acc + i * QTILE_N + c0 + j * LANES);
-            for (int k = 0; k < GROUP; k++)
-                for (int j = 0; j < cv; j++) {
-                    int c = c0 + j * LANES;
-                    vec w = dequantize(qs + c, qtype, k, vload(d + c), qtype == Q4_1 ? vload(m + c) : vload(d + c));
-                    for (int i = 0; i < tb; i++) a[i][j] = vfma(vbroadcast(xg + i * ldx + k), w, a[i][j]);
-                }
+            if (qtype == Q8_0) {
+                few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, 0, GROUP, 0, d + c0, m + c0, a);
+            } else {  /* k = 0..15 from the low nibbles of byte rows 0..15, then k = 16..31 from their high ones */
+                few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, 0, GROUP / 2, 0, d + c0, m + c0, a);
+                few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, GROUP / 2, GROUP / 2, 1, d + c0, m + c0, a);
+            }
             for (int i = 0; i < tb; i++)
                 for (int j = 0; j < cv; j++) vstore(acc + i * QTILE_N + c0 + j * LANES, a[i][j]);
         }
