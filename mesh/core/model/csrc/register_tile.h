@@ -33,6 +33,17 @@ INLINE void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
 #endif
 
 #define VECS (TILE_N / LANES)
+
+/* v, passed through an empty asm: the compiler cannot turn a loop storing a local array's vectors into a memcpy
+ * from that array (which keeps the array in memory and, in the k loop before it, stores every sum at every k). */
+INLINE vec in_register(vec v) {
+#if defined(__AVX512F__)
+    __asm__("" : "+v"(v));
+#else
+    __asm__("" : "+x"(v));
+#endif
+    return v;
+}
 /* vectors of a tile's width one register tile covers at once: the whole tile with AVX-512 (6 x 4 accumulators in
  * 32 registers), a quarter with AVX2 (6 x 2 in 16 registers; the whole tile, 6 x 8, spilled to the stack) */
 #if defined(__AVX512F__)
@@ -64,7 +75,7 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
             }
         }
         for (int i = 0; i < tb; i++)
-            for (int j = 0; j < cv; j++) vstore(ac + i * TILE_N + j * LANES, a[i][j]);
+            for (int j = 0; j < cv; j++) vstore(ac + i * TILE_N + j * LANES, in_register(a[i][j]));
     }
 }
 
