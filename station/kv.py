@@ -69,7 +69,8 @@ class KVPool:
             raise KVBudgetError(f"kv_bytes {spec.kv_bytes} is below one block ({self.block_bytes} bytes)")
         self.spare_block = self.num_blocks  # one block past the budget, lent by `spare` (never in the stats)
         shape = (self.layers, self.num_blocks + 1, cfg.num_key_value_heads, block_tokens, cfg.head_dim)
-        self.k, self.v = (_zeros(shape, TORCH_DTYPES[spec.dtype], spec.device) for _ in "kv")
+        self.k = _zeros(shape, TORCH_DTYPES[spec.dtype], spec.device)
+        self.v = _zeros(shape, TORCH_DTYPES[spec.dtype], spec.device)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low indices first (may hold stale ids)
         self._refs = [0] * self.num_blocks  # sequences holding each block (a shared prefix block: several)
         self._used = 0  # blocks some sequence holds

@@ -34,7 +34,7 @@ def aligned(nbytes: int) -> int:
 
 def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """The bytes a contiguous tensor of `shape` and `dtype` holds."""
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

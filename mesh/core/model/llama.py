@@ -183,7 +183,7 @@ class _Body(nn.Module):
         super().__init__()
         if start == 0:
             # given its weight, nn.Embedding skips its random initialization (normal_, which on meta imports
-            # torch._dynamo: 1.5-2.8 s of a fresh station's first load); the checkpoint's is assigned next
+            # torch._dynamo: 1.4-1.9 s of a fresh station's first load); the checkpoint's is assigned next
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                              _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(start, end)})

@@ -154,9 +154,10 @@ def use_packed_linears(model: nn.Module) -> None:
         if isinstance(module, Linear) and module.kernel is None and (
                 module.weight.device.type != "meta" or module.quant_rows is not None):
             jobs.append((module, _weight_parts([module])))
-    arena = WeightArena(sum(aligned(tensor_bytes(*_packed_shape(parts))) for _, parts in jobs))
+    shapes = [_packed_shape(parts) for _, parts in jobs]
+    arena = WeightArena(sum(aligned(tensor_bytes(*shape)) for shape in shapes))
     try:
-        outs = [arena.take(*_packed_shape(parts)) for _, parts in jobs]
+        outs = [arena.take(*shape) for shape in shapes]
         weights = [_fill(parts, out) for (_, parts), out in zip(jobs, outs)]
     finally:
         arena.close()

@@ -101,17 +101,13 @@ QINLINE vec dequantize_at(const uint8_t *q, const int qtype, const int high, vec
     return vadd(p, m);
 }
 
-/* The same for k of a group, its quants at qs (the group's, offset to these rows). */
-QINLINE vec dequantize(const uint8_t *qs, const int qtype, int k, vec d, vec m) {
-    if (qtype == Q8_0) return dequantize_at(qs + (int64_t)k * QTILE_N, qtype, 0, d, m);
-    return dequantize_at(qs + (int64_t)(k & 15) * QTILE_N, qtype, k >= 16, d, m);
-}
-
 /* The 64 rows' weights of one k of a group (its quants qs, its widened scales d and minimums m), dequantized into
  * w[64] (qtype a constant where inlined). */
 QINLINE void decode_k(const uint8_t *qs, const int qtype, int k, const float *d, const float *m, float *w) {
+    const uint8_t *q = qs + (int64_t)(qtype == Q8_0 ? k : k & 15) * QTILE_N;  /* Q4: byte row k mod 16 */
+    const int high = qtype != Q8_0 && k >= 16;
     for (int j = 0; j < QTILE_N; j += LANES)
-        vstore(w + j, dequantize(qs + j, qtype, k, vload(d + j), qtype == Q4_1 ? vload(m + j) : vload(d + j)));
+        vstore(w + j, dequantize_at(q + j, qtype, high, vload(d + j), qtype == Q4_1 ? vload(m + j) : vload(d + j)));
 }
 
 /* Weights k0 .. k0 + kb - 1 of one tile (k0 and kb multiples of 32: whole groups), dequantized into wb [kb][64]. */
