@@ -1,6 +1,7 @@
 """A station's own Prometheus endpoint: the StationActor class run in-process (no Ray), driven over gRPC."""
 from __future__ import annotations
 
+import gc
 import urllib.request
 
 import pytest
@@ -34,6 +35,7 @@ def actors(tiny_llama):
         for a in made:
             a.shutdown(0)
         on_compute_thread(torch.set_num_threads, threads)
+        gc.unfreeze()  # a station process keeps what its start froze for life; this test process need not
 
 
 def test_station_actor_serves_metrics_with_wire_bytes(tiny_llama, actors):
@@ -85,3 +87,15 @@ def test_shutdown_stops_the_metrics_endpoint(tiny_llama):
             urllib.request.urlopen(f"http://{address}/metrics", timeout=5)
     finally:
         on_compute_thread(torch.set_num_threads, threads)
+        gc.unfreeze()
+
+
+def test_a_station_start_freezes_what_lives_as_long_as_the_process(tiny_llama, actors):
+    """The imports and the loaded model leave the collector's generations (gc.freeze): a full collection during
+    the load, or later while serving, does not walk them (each one took 90-130 ms of a station's start)."""
+    gc.unfreeze()
+    actor = actors(StationSpec(layers=(0, 6)))
+    assert gc.get_freeze_count() > 0
+    tracked = {id(o) for o in gc.get_objects()}  # the collector's generations; frozen objects are not in them
+    assert id(actor.station.model) not in tracked and id(actor.station) not in tracked
+    assert id(ModelConfig) not in tracked  # and what the imports made
