@@ -219,7 +219,10 @@ void paged_attention_f32(const float *q, const float *k, const float *v, int64_t
 #pragma omp parallel num_threads(team(T * H * max_keys / 512, threads))  /* per thread: >= 8 x 512 keys */
     {
         float *score = thread_scratch(1, max_keys);
-#pragma omp for schedule(static)
+        /* tasks dealt out one at a time in turn: a prompt's later rows attend to more keys, and in contiguous
+         * shares the thread holding the last rows did ~3x the first one's work (a task's result does not depend
+         * on its thread) */
+#pragma omp for schedule(static, 1)
         for (int64_t task = 0; task < T * H; task++) {
             int64_t t = task / H, h = task % H, g = h / G, p = row_pos[t];
             int64_t first = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
