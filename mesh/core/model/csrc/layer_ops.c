@@ -50,6 +50,24 @@ static inline float exp_f32(float x) {
     return p * two_n;
 }
 
+/* exp_f32 on 8 lanes: the same operations in the same order (the clamp keeps a NaN a NaN, as the scalar one's
+ * comparisons do), so each lane's bits are exp_f32's; GCC leaves the scalar loops unvectorized (rintf). */
+static inline __m256 exp8_f32(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.0f), x));  /* NaN: the second operand */
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145751953125f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-1.428606765330187e-06f), r);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
 static inline float tree8(const float p[PART]) {
     return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
 }
@@ -83,7 +101,14 @@ void silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out, int threads
     for (int64_t t = 0; t < T; t++) {
         const float *g = gu + t * 2 * I, *u = g + I;
         float *o = out + t * I;
-        for (int64_t i = 0; i < I; i++) {
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {  /* the scalar loop's operations, 8 lanes at a time */
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 e = exp8_f32(_mm256_xor_ps(gv, _mm256_set1_ps(-0.0f)));  /* exp(-g): the sign flipped */
+            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) {
             float s = g[i] / (1.0f + exp_f32(-g[i]));
             o[i] = s * u[i];
         }
@@ -171,7 +196,10 @@ static inline __attribute__((always_inline)) void attend_one(
         for (int j = 0; j < PART; j++) lane_max[j] = score[i + j] > lane_max[j] ? score[i + j] : lane_max[j];
     for (int j = 0; j < PART; j++) mx = lane_max[j] > mx ? lane_max[j] : mx;
     for (int64_t i = full; i < keys; i++) mx = score[i] > mx ? score[i] : mx;
-    for (int64_t i = 0; i < keys; i++) score[i] = exp_f32(score[i] - mx);
+    int64_t i8 = 0;
+    for (; i8 + 8 <= keys; i8 += 8)
+        _mm256_storeu_ps(score + i8, exp8_f32(_mm256_sub_ps(_mm256_loadu_ps(score + i8), _mm256_set1_ps(mx))));
+    for (; i8 < keys; i8++) score[i8] = exp_f32(score[i8] - mx);
     float lanes[PART] = {0};
     for (int64_t i = 0; i < full; i += PART)
         for (int j = 0; j < PART; j++) lanes[j] += score[i + j];
