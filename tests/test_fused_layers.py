@@ -95,3 +95,20 @@ def test_native_silu_mul_matches_torch(tiny_llama):
     gate_up = torch.linspace(-120, 120, 7 * 2 * 96).view(7, 2 * 96)  # [T, 2I]
     gate, up = gate_up.chunk(2, dim=1)
     assert torch.allclose(native_silu_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-30)
+
+
+@needs_packed
+def test_native_silu_mul_gives_a_value_the_same_bits_in_the_vector_loop_and_the_tail():
+    """The kernel takes 8 values at a time (exp8_f32) and the last I % 8 one by one (exp_f32): both must give the
+    same bits, or a value's result would depend on where its row's width puts it. Values at positions 0-7 of a
+    13-wide row (vector loop) are compared with the same values at positions 8-12 and alone (the tail)."""
+    g = torch.Generator().manual_seed(5)
+    values = torch.cat([torch.randn(64, generator=g) * 30, torch.tensor([0.0, -0.0, 88.5, -87.5, -100.0, 1e-40,
+                                                                          float("inf"), -float("inf")])])
+    ups = torch.randn(values.numel(), generator=g)
+    for start in range(0, values.numel(), 8):
+        gate, up = values[start:start + 8], ups[start:start + 8]
+        wide = native_silu_mul(torch.cat([gate, gate[:5], up, up[:5]])[None])[0]  # [13]: 8 vector, 5 tail
+        tail = torch.stack([native_silu_mul(torch.stack([x, u])[None])[0, 0] for x, u in zip(gate, up)])
+        assert torch.equal(wide[:8].view(torch.int32), tail.view(torch.int32))
+        assert torch.equal(wide[8:].view(torch.int32), tail[:5].view(torch.int32))
