@@ -3,6 +3,7 @@ and a 2-station `mesh up` per module."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import socket
@@ -129,3 +130,15 @@ def _serve_http(app):
 def serve_http():
     """`with serve_http(app) as url:` serves an ASGI app over HTTP on loopback for the block."""
     return _serve_http
+
+
+@pytest.fixture(scope="session")
+def bench_script():
+    """Load a bench/ script as a module from its file (bench/ is not a package): bench_script("cpu_split")."""
+    def load(name: str):
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", f"{name}.py")
+        spec = importlib.util.spec_from_file_location(f"{name}_under_test", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return load

@@ -1,21 +1,13 @@
 """bench/cpu_split.py's pure parts: reading `perf script` lines into categories, and the table (no perf, no servers)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "cpu_split.py"
 
 
 @pytest.fixture(scope="module")
-def split():
-    """The benchmark module, loaded from its file (bench/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("cpu_split_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def split(bench_script):
+    """The benchmark module (bench/ is not a package)."""
+    return bench_script("cpu_split")
 
 
 # `perf script -F comm,pid,ip,sym,dso` lines as perf 6.1 prints them, one per kind of sample

@@ -1,7 +1,6 @@
 """bench/vs_llamacpp.py's pure parts (arguments, roofline arithmetic, llama-bench parsing, the table), no llama.cpp."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,12 +10,9 @@ SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "vs_llamacpp.py"
 
 
 @pytest.fixture(scope="module")
-def vs():
-    """The benchmark module, loaded from its file (bench/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("vs_llamacpp_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def vs(bench_script):
+    """The benchmark module (bench/ is not a package)."""
+    return bench_script("vs_llamacpp")
 
 
 def test_defaults_are_issue_12s_measurements(vs):
