@@ -24,6 +24,7 @@ safetensors_station_fresh_s and their ratio gguf_over_safetensors_fresh.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -70,8 +71,10 @@ FRESH_KINDS = ("safetensors", "gguf", "safetensors_station")
 
 
 def _one_fresh_load(kind: str, gguf: Path, hf_dir: Path, layers: str) -> None:
-    """In a new process: the first load of its kind, timed after the imports and the kernels' probe; prints seconds."""
+    """In a new process: the first load of its kind, timed after the imports and the kernels' probe, with the
+    process's objects frozen first as a station's start freezes them (station/actor.py); prints seconds."""
     backend = resolve_linear_backend("auto", torch.device("cpu"), torch.float32)
+    gc.freeze()
     cfg = ModelConfig.from_dir(hf_dir)
     start, end = (int(x) for x in layers.split("-"))
     load = {"safetensors": lambda: load_range(hf_dir, cfg, start, end),
