@@ -78,6 +78,7 @@ class StationActor:
                                    metrics_address=self._metrics_address, token=token, tls=tls,
                                    probe=probe)
         self._address = host_port(advertised, self.server.port)
+        gc.collect()  # the load's own garbage first (~1 ms with the imports frozen): a frozen cycle is never freed
         gc.freeze()
 
     def _wire_bytes(self) -> dict[str, int]:
