@@ -79,14 +79,14 @@ def ms_per_token(counts: Counter, frequency: int, tokens: int) -> dict[str, floa
 
 
 def format_table(results: dict[tuple[str, int], dict], order: list[tuple[str, int]]) -> str:
-    """Markdown: a row per category (CPU ms per token), then tok/s, wall seconds and CPUs busy; a column per run."""
+    """Markdown: a row per category (CPU ms per token), the busy total, tok/s and wall seconds; a column per run."""
     names = [n for n, _ in CATEGORIES] + [IDLE, "unparsed", EXCLUDED]
     head = [f"{'wavemesh' if side == 'ours' else 'llama.cpp'}, {clients} client{'s' * (clients != 1)}"
             for side, clients in order]
     rows = [["CPU ms per generated token", *head], ["---", *(["---:"] * len(order))]]
     for name in names:
         cells = [results[key]["ms_per_token"].get(name) for key in order]
-        if any(c for c in cells) or name in (IDLE,):
+        if any(cells) or name == IDLE:
             rows.append([name, *(f"{c:.2f}" if c else "-" for c in cells)])
     busy = [sum(v for k, v in results[key]["ms_per_token"].items() if k not in (IDLE, EXCLUDED)) for key in order]
     rows.append(["**busy CPU ms per token (all but idle and left out)**", *(f"**{b:.2f}**" for b in busy)])
