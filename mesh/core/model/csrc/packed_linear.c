@@ -17,14 +17,11 @@
 #include "register_tile.h"
 
 #define BLOCK_K 64 /* k per block: a tile's 64 x 64 weights (16 KiB) stay in L1 while every row passes */
-#ifndef PREFETCH_K
-#define PREFETCH_K 16 /* k ahead (64 floats each): measured best of 16, 64, 128 at 4-64 rows */
-#endif
 
 float *thread_scratch(int slot, size_t floats); /* layer_ops.c: this thread's reused buffer */
 
 static void rows_block(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, float *accbuf) {
-    all_rows_over_block(x, ldx, T, w, kb, PREFETCH_K, accbuf);
+    all_rows_over_block(x, ldx, T, w, kb, 1, accbuf); /* streamed: each weight is read from memory once a call */
 }
 
 /* x [T, K] (row stride ldx), wp packed [ceil(N/64)][K][64], bias [ceil(N/64) * 64] zero-padded or NULL

@@ -53,13 +53,16 @@ INLINE vec in_register(vec v) {
 #endif
 
 /* tb (constant, <= TILE_T) rows of x (x[i * ldx + k]) over kb weights w [kb][64], continuing the sums in acc [tb][64],
- * the columns cv vectors at a time (cv constant, dividing VECS). With prefetch > 0, the weights that many k ahead
- * are requested while this block computes (for weights streamed from memory). */
+ * the columns cv vectors at a time (cv constant, dividing VECS). Weights streamed from memory are requested ahead
+ * of use: with prefetch > 0 (constant), each pass's columns that many k ahead; with `ahead` (constant), the next
+ * kb x 64 weights after w's, line by line in memory order, spread evenly over this call's passes. */
 INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int cv, const float *w, int64_t kb,
-                          const int prefetch, float *acc) {
+                          const int prefetch, const int ahead, float *acc) {
+    const int lines = TILE_N * (int)sizeof(float) / 64 * cv / VECS; /* cache lines of the next block per k of a pass */
     for (int c0 = 0; c0 < VECS; c0 += cv) {
         const float *wc = w + c0 * LANES;
         float *ac = acc + c0 * LANES;
+        const float *next = w + kb * TILE_N + (c0 / cv) * kb * lines * 16; /* this pass's share, 16 floats a line */
         vec a[TILE_T][VECS];
         for (int i = 0; i < tb; i++)
             for (int j = 0; j < cv; j++) a[i][j] = vload(ac + i * TILE_N + j * LANES);
@@ -69,6 +72,8 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
             if (prefetch)
                 for (int j = 0; j < cv * LANES; j += 16)
                     _mm_prefetch((const char *)(wc + (k + prefetch) * TILE_N + j), _MM_HINT_T0);
+            if (ahead)
+                for (int l = 0; l < lines; l++) _mm_prefetch((const char *)(next + (k * lines + l) * 16), _MM_HINT_T0);
             for (int i = 0; i < tb; i++) {
                 vec xb = vbroadcast(x + i * ldx + k);
                 for (int j = 0; j < cv; j++) a[i][j] = vfma(xb, wv[j], a[i][j]);
@@ -80,28 +85,36 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
 }
 
 /* All T rows of x over one weight block, in register tiles of 6 rows (3-6 rows: CVECS vectors of columns at a
- * time; the last one or two rows: the whole width). Each caller wraps it with its own constant `prefetch`, which
- * one or two rows alone (a decode step) do without: they read the tile in one sequential pass, which the hardware
- * prefetcher follows better unhelped (~4% faster streaming at one row, measured; bench/out/session10_ab.txt). */
-INLINE void all_rows_over_block(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int prefetch,
-                                float *acc) {
+ * time; the last one or two rows: the whole width). With `streamed` (weights read from memory, not from L1), the
+ * first row tile requests what comes next, by the row count (measured on a model's worth of weights,
+ * bench/out/session13_ab.txt): one or two rows alone (a decode step) read the tile in one sequential pass, which the
+ * hardware prefetcher follows best unhelped; one row tile of 3-6 rows requests the whole next block in memory order
+ * (its four strided passes defeat the hardware prefetcher: ~30% faster); up to 16 rows request each pass's columns
+ * one block ahead (~20% faster than 16 k); more rows 16 k ahead (a block computes long enough for the hardware
+ * prefetcher, and further ahead the rows' x push the block out of L1 before its use). */
+INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int prefetch,
+                            const int ahead, float *acc) {
     int64_t t = 0;
     for (; t + TILE_T <= T; t += TILE_T)
-        register_tile(x + t * ldx, ldx, TILE_T, CVECS, w, kb, prefetch, acc + t * TILE_N);
+        register_tile(x + t * ldx, ldx, TILE_T, CVECS, w, kb, prefetch, ahead, acc + t * TILE_N);
     switch (T - t) {
-        case 5: register_tile(x + t * ldx, ldx, 5, CVECS, w, kb, prefetch, acc + t * TILE_N); break;
-        case 4: register_tile(x + t * ldx, ldx, 4, CVECS, w, kb, prefetch, acc + t * TILE_N); break;
-        case 3: register_tile(x + t * ldx, ldx, 3, CVECS, w, kb, prefetch, acc + t * TILE_N); break;
-        case 2:
-            if (t) register_tile(x + t * ldx, ldx, 2, VECS, w, kb, prefetch, acc + t * TILE_N);
-            else register_tile(x, ldx, 2, VECS, w, kb, 0, acc);
-            break;
-        case 1:
-            if (t) register_tile(x + t * ldx, ldx, 1, VECS, w, kb, prefetch, acc + t * TILE_N);
-            else register_tile(x, ldx, 1, VECS, w, kb, 0, acc);
-            break;
+        case 5: register_tile(x + t * ldx, ldx, 5, CVECS, w, kb, prefetch, ahead, acc + t * TILE_N); break;
+        case 4: register_tile(x + t * ldx, ldx, 4, CVECS, w, kb, prefetch, ahead, acc + t * TILE_N); break;
+        case 3: register_tile(x + t * ldx, ldx, 3, CVECS, w, kb, prefetch, ahead, acc + t * TILE_N); break;
+        case 2: register_tile(x + t * ldx, ldx, 2, VECS, w, kb, prefetch, 0, acc + t * TILE_N); break;
+        case 1: register_tile(x + t * ldx, ldx, 1, VECS, w, kb, prefetch, 0, acc + t * TILE_N); break;
         default: break;
     }
+}
+
+/* The request policy above as constants (a distance or a pointer known only at run time costs the 16-register AVX2
+ * tile a register and a branch in its k loop: 20-35% slower, measured). kb is 64 where it matters (one block). */
+INLINE void all_rows_over_block(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int streamed,
+                                float *acc) {
+    if (!streamed || T <= 2) rows_requesting(x, ldx, T, w, kb, 0, 0, acc);
+    else if (T <= TILE_T) rows_requesting(x, ldx, T, w, kb, 0, 1, acc);
+    else if (T <= 16) rows_requesting(x, ldx, T, w, kb, 64, 0, acc);
+    else rows_requesting(x, ldx, T, w, kb, 16, 0, acc);
 }
 
 #endif

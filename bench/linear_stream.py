@@ -1,0 +1,98 @@
+"""The packed float32 linears over a model's worth of weights, by row count: two kernel sources side by side.
+
+    python bench/linear_stream.py [--rows 1,2,4,8,16,32,64] [--base HEAD] [--rounds 9] [--threads 2]
+    mesh bench linear_stream ...  (same arguments)
+
+Builds csrc/ twice, as committed at --base and as in the working tree, and times one model step of linears with
+each in alternating rounds: SmolLM2-135M's shapes (30 layers of qkv 960x576, o 576x576, gate_up 3072x576,
+down 576x1536, then the 49152x576 head), each layer its own random weights (~540 MB float32, so every weight
+streams from memory as it does in a served step; a benchmark that reuses one small matrix reads it from cache and
+misjudges prefetching). Prints per row count the median step time of each, their ratio, and whether the head's
+output bits are equal (a kernel change must not move them). Measures the kernels alone: no station, no model.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from mesh.core.model.native import CFLAGS, SIGNATURES  # noqa: E402
+from mesh.core.model.packed import pack_rows  # noqa: E402
+
+CSRC = "mesh/core/model/csrc"
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of qkv, o, gate_up, down
+HEAD, LAYERS = (49152, 576), 30
+
+
+def build(src: Path, out: Path) -> ctypes._CFuncPtr:
+    """Compile every .c in src as the station does and return its packed_linear_f32."""
+    subprocess.run(["cc", *CFLAGS, *map(str, sorted(src.glob("*.c"))), "-o", str(out), "-lm"], check=True)
+    fn = ctypes.CDLL(str(out)).packed_linear_f32
+    fn.argtypes, fn.restype = SIGNATURES["packed_linear_f32"], None
+    return fn
+
+
+def checkout_csrc(rev: str, dest: Path) -> Path:
+    """The kernel sources as committed at rev, written under dest."""
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{CSRC}"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in names:
+        data = subprocess.run(["git", "show", f"{rev}:{CSRC}/{name}"], cwd=ROOT, check=True, capture_output=True).stdout
+        (dest / name).write_bytes(data)
+    return dest
+
+
+def model_weights() -> list[tuple[torch.Tensor, int, int]]:
+    """(packed weight, out features, in features) for every linear of a step, in order."""
+    torch.manual_seed(0)
+    shapes = [s for _ in range(LAYERS) for s in LAYER_SHAPES] + [HEAD]
+    return [(pack_rows([torch.randn(n, k)]), n, k) for n, k in shapes]
+
+
+def step(fn, weights, xs, outs, rows: int, threads: int) -> float:
+    """Seconds for one pass of every linear at `rows` rows."""
+    t0 = time.perf_counter()
+    for wp, n, k in weights:
+        fn(xs[k].data_ptr(), rows, k, k, wp.data_ptr(), n, None, outs[n].data_ptr(), threads)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,2,4,8,16,32,64", help="row counts to time, comma-separated")
+    p.add_argument("--base", default="HEAD", help="git revision whose kernels are the baseline")
+    p.add_argument("--rounds", type=int, default=9, help="alternating rounds per row count (median taken)")
+    p.add_argument("--threads", type=int, default=2, help="OpenMP threads of each call")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "base").mkdir()
+        kernels = {"base": build(checkout_csrc(args.base, tmp / "base"), tmp / "base.so"),
+                   "tree": build(ROOT / CSRC, tmp / "tree.so")}
+        weights = model_weights()
+        print(f"linear_stream: {len(weights)} linears, {sum(w.numel() for w, _, _ in weights) * 4 / 1e9:.2f} GB "
+              f"float32, {args.threads} threads; base = {args.base}, tree = working tree")
+        for rows in map(int, args.rows.split(",")):
+            xs = {k: torch.randn(rows, k) for k in {k for _, _, k in weights}}
+            outs = {n: torch.empty(rows, n) for n in {n for _, n, _ in weights}}
+            times, heads = {name: [] for name in kernels}, {}
+            for r in range(args.rounds):
+                for name in (kernels if r % 2 else reversed(kernels)):
+                    times[name].append(step(kernels[name], weights, xs, outs, rows, args.threads))
+                    heads[name] = outs[HEAD[0]].clone()
+            base, tree = statistics.median(times["base"]), statistics.median(times["tree"])
+            print(f"rows {rows:3d}: base {base * 1e3:7.1f} ms  tree {tree * 1e3:7.1f} ms  tree/base {tree / base:.2f}"
+                  f"  same bits {torch.equal(heads['base'], heads['tree'])}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
