@@ -31,6 +31,8 @@ from mesh.core.model.packed import pack_rows  # noqa: E402
 CSRC = "mesh/core/model/csrc"
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of qkv, o, gate_up, down
 HEAD, LAYERS = (49152, 576), 30
+BUSY_LOOP = ("import sys, time\nshare = float(sys.argv[1])\nwhile True:\n    end = time.perf_counter() + 1e-3 * share\n"
+             "    while time.perf_counter() < end:\n        pass\n    time.sleep(1e-3 * (1 - share))\n")
 
 
 def build(src: Path, out: Path) -> ctypes._CFuncPtr:
@@ -72,7 +74,23 @@ def main() -> None:
     p.add_argument("--base", default="HEAD", help="git revision whose kernels are the baseline")
     p.add_argument("--rounds", type=int, default=9, help="alternating rounds per row count (median taken)")
     p.add_argument("--threads", type=int, default=2, help="OpenMP threads of each call")
+    p.add_argument("--busy", type=float, default=0.0,
+                   help="share of one core (0-1) a competing process keeps busy in 1 ms slices while timing, as a "
+                        "server's other threads do (0: none)")
     args = p.parse_args()
+    if not 0.0 <= args.busy < 1.0:
+        p.error("--busy must be in [0, 1)")
+    competitor = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(args.busy)]) if args.busy else None
+    try:
+        run(args)
+    finally:
+        if competitor is not None:
+            competitor.kill()
+            competitor.wait()
+
+
+def run(args: argparse.Namespace) -> None:
+    """Build both kernels, then time every row count in alternating rounds and print one line each."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "base").mkdir()
@@ -80,7 +98,8 @@ def main() -> None:
                    "tree": build(ROOT / CSRC, tmp / "tree.so")}
         weights = model_weights()
         print(f"linear_stream: {len(weights)} linears, {sum(w.numel() for w, _, _ in weights) * 4 / 1e9:.2f} GB "
-              f"float32, {args.threads} threads; base = {args.base}, tree = working tree")
+              f"float32, {args.threads} threads; base = {args.base}, tree = working tree"
+              + (f"; a competing process keeps {args.busy:.0%} of a core busy" if args.busy else ""))
         for rows in map(int, args.rows.split(",")):
             xs = {k: torch.randn(rows, k) for k in {k for _, _, k in weights}}
             outs = {n: torch.empty(rows, n) for n in {n for _, n, _ in weights}}

@@ -9,7 +9,7 @@ from mesh.core.config import ModelConfig
 from mesh.core.model.kernels import resolve_linear_backend, use_linear_backend
 from mesh.core.model.llama import Linear
 from mesh.core.model.loader import load_range
-from mesh.core.model.packed import PACK_TILE, pack_rows
+from mesh.core.model.packed import PACK_TILE, pack_rows, packed_linear
 
 
 def _tiles_by_index(w: torch.Tensor) -> torch.Tensor:
@@ -29,6 +29,25 @@ def test_parts_pack_into_the_tiles_of_their_rows_one_after_another(sizes):
     assert torch.equal(pack_rows(parts), expected)
     into = torch.full(expected.shape, float("nan"))  # whatever the memory held: every value is written
     assert pack_rows(parts, into) is into and torch.equal(into, expected)
+
+
+@pytest.mark.parametrize("n", [64, 100, 9 * PACK_TILE, 15 * PACK_TILE])
+def test_any_thread_count_gives_every_row_the_same_bits(n):
+    """Threads claim tiles from their own range, then from the others' (csrc/tile_claims.h): with fewer tiles than
+    threads, ranges of unequal length, and 1-8 threads, each output is still its one chain, next to a reference."""
+    g = torch.Generator().manual_seed(n)
+    w, x = torch.randn(n, 96, generator=g), torch.randn(16, 96, generator=g)
+    wp, threads = pack_rows([w]), torch.get_num_threads()
+    try:
+        for rows in (1, 3, 7, 16):
+            outs = []
+            for count in (1, 2, 3, 5, 8):
+                torch.set_num_threads(count)
+                outs.append(packed_linear(x[:rows], wp, None, n))
+            assert all(torch.equal(outs[0], out) for out in outs[1:]), rows
+            torch.testing.assert_close(outs[0], x[:rows].double().mm(w.double().T).float(), rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_packed_station_holds_its_linear_weights_in_one_allocation(tiny_llama):

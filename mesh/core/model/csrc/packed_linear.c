@@ -3,7 +3,7 @@
  * Every output element is ONE chain of fused multiply-adds over k = 0, 1, ..., K-1, then the bias: the same
  * additions in the same order whatever the row count T, the tile the row falls in, the thread count or the
  * vector width (AVX-512 and AVX2 give the same bits: each lane is its own chain). Threads split the output
- * features, never k, so a row's result is the same alone or among any others.
+ * features (tiles claimed as tile_claims.h says), never k, so a row's result is the same alone or among any others.
  *
  * The weight is packed once as [N / 64][K][64] (N padded to a multiple of 64 with zeros): a tile of 64 output
  * features reads one contiguous stream, each x value is broadcast against it, and a row tile of up to 6 rows
@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "register_tile.h"
+#include "tile_claims.h"
 
 #define BLOCK_K 64 /* k per block: a tile's 64 x 64 weights (16 KiB) stay in L1 while every row passes */
 
@@ -29,11 +30,12 @@ static void rows_block(const float *x, int64_t ldx, int64_t T, const float *w, i
 void packed_linear_f32(const float *x, int64_t T, int64_t ldx, int64_t K, const float *wp, int64_t N,
                        const float *bias, float *out, int threads) {
     int64_t tiles = (N + TILE_N - 1) / TILE_N;
+    TileClaims claims;
+    tile_claims_init(&claims, tiles, threads);
 #pragma omp parallel num_threads(threads)
     {
         float *accbuf = thread_scratch(0, (size_t)T * TILE_N);
-#pragma omp for schedule(static)
-        for (int64_t ti = 0; ti < tiles; ti++) {
+        for (int64_t ti; (ti = tile_claim(&claims)) >= 0;) {
             const float *w = wp + ti * K * TILE_N;
             memset(accbuf, 0, (size_t)T * TILE_N * sizeof(float));
             for (int64_t k0 = 0; k0 < K; k0 += BLOCK_K)

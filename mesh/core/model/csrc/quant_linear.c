@@ -18,6 +18,7 @@
 
 #include "quant_blocks.h"
 #include "register_tile.h"
+#include "tile_claims.h"
 
 #define QBLOCK_K 64    /* k decoded at a time (two groups) */
 #define FEW_ROWS 4     /* up to this many rows (at most 4), weights are dequantized straight into the sums */
@@ -206,12 +207,13 @@ static void few_rows(const float *x, int64_t ldx, int64_t T, const uint8_t *tile
 void quant_linear_f32(const float *x, int64_t T, int64_t ldx, int64_t K, const uint8_t *wq, int qtype, int64_t N,
                       const float *bias, float *out, int threads) {
     int64_t tiles = (N + QTILE_N - 1) / QTILE_N, groups = K / GROUP, gbytes = quant_group_bytes(qtype);
+    TileClaims claims;
+    tile_claims_init(&claims, tiles, threads);
 #pragma omp parallel num_threads(threads)
     {
         float *acc = aligned_alloc(64, (size_t)T * QTILE_N * sizeof(float));
         float *wb = aligned_alloc(64, QBLOCK_K * QTILE_N * sizeof(float));
-#pragma omp for schedule(static)
-        for (int64_t ti = 0; ti < tiles; ti++) {
+        for (int64_t ti; (ti = tile_claim(&claims)) >= 0;) {
             const uint8_t *tile = wq + ti * groups * gbytes;
             memset(acc, 0, (size_t)T * QTILE_N * sizeof(float));
             if (T <= FEW_ROWS) {
