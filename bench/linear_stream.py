@@ -1,6 +1,6 @@
 """The packed float32 linears over a model's worth of weights, by row count: two kernel sources side by side.
 
-    python bench/linear_stream.py [--rows 1,2,4,8,16,32,64] [--base HEAD] [--rounds 9] [--threads 2]
+    python bench/linear_stream.py [--rows 1,2,4,8,16,32,64] [--base HEAD] [--rounds 9] [--threads 2] [--busy 0.3]
     mesh bench linear_stream ...  (same arguments)
 
 Builds csrc/ twice, as committed at --base and as in the working tree, and times one model step of linears with

@@ -93,13 +93,13 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
 }
 
 /* All T rows of x over one weight block, in register tiles of 6 rows (3-6 rows: CVECS vectors of columns at a
- * time; the last one or two rows: the whole width). With `streamed` (weights read from memory, not from L1), the
- * first row tile requests what comes next, by the row count (measured on a model's worth of weights,
- * bench/out/linear_stream.txt, `mesh bench linear_stream`): one or two rows alone (a decode step) read the tile in one sequential pass, which the
- * hardware prefetcher follows best unhelped; one row tile of 3-6 rows requests the whole next block in memory order
- * (its four strided passes defeat the hardware prefetcher: ~30% faster); up to 16 rows request each pass's columns
- * one block ahead (~20% faster than 16 k); more rows 16 k ahead (a block computes long enough for the hardware
- * prefetcher, and further ahead the rows' x push the block out of L1 before its use). */
+ * time; the last one or two rows: the whole width). Weights streamed from memory (not from L1) are requested ahead
+ * by the row count (measured on a model's worth of weights: `mesh bench linear_stream`, bench/out/linear_stream.txt):
+ * one or two rows alone (a decode step) read the tile in one sequential pass, which the hardware prefetcher follows
+ * best unhelped; the one row tile of 3-6 rows requests the whole next block in memory order (its four strided passes
+ * defeat the hardware prefetcher: ~30% faster); up to 16 rows, every row tile requests its pass's columns one block
+ * ahead (~20% faster than 16 k); more rows 16 k ahead (a block computes long enough for the hardware prefetcher, and
+ * further ahead the rows' x push the block out of L1 before its use). */
 INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int prefetch,
                             const int ahead, float *acc) {
     int64_t t = 0;
