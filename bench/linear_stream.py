@@ -7,13 +7,14 @@ Builds csrc/ twice, as committed at --base and as in the working tree, and times
 each in alternating rounds: SmolLM2-135M's shapes (30 layers of qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536, then the 49152x576 head), each layer its own random weights (~540 MB float32, so every weight
 streams from memory as it does in a served step; a benchmark that reuses one small matrix reads it from cache and
-misjudges prefetching). Prints per row count the median step time of each, their ratio, and whether the head's
-output bits are equal (a kernel change must not move them). Measures the kernels alone: no station, no model.
+misjudges prefetching). Prints per row count the median step time of each, their ratio, and whether their outputs'
+bits are equal (the last linear of each output shape: qkv, down, gate_up, head; a kernel change must not move them). Measures the kernels alone: no station, no model.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from mesh.core.model.native import CFLAGS, SIGNATURES  # noqa: E402
+from mesh.core.model.native import SIGNATURES, build_library  # noqa: E402
 from mesh.core.model.packed import pack_rows  # noqa: E402
 
 CSRC = "mesh/core/model/csrc"
@@ -36,8 +37,8 @@ BUSY_LOOP = ("import sys, time\nshare = float(sys.argv[1])\nwhile True:\n    end
 
 
 def build(src: Path, out: Path) -> ctypes._CFuncPtr:
-    """Compile every .c in src as the station does and return its packed_linear_f32."""
-    subprocess.run(["cc", *CFLAGS, *map(str, sorted(src.glob("*.c"))), "-o", str(out), "-lm"], check=True)
+    """Compile every .c in src as the station does (native.build_library) and return its packed_linear_f32."""
+    build_library(shutil.which("cc") or "gcc", out, tuple(sorted(src.glob("*.c"))))
     fn = ctypes.CDLL(str(out)).packed_linear_f32
     fn.argtypes, fn.restype = SIGNATURES["packed_linear_f32"], None
     return fn
@@ -103,14 +104,14 @@ def run(args: argparse.Namespace) -> None:
         for rows in map(int, args.rows.split(",")):
             xs = {k: torch.randn(rows, k) for k in {k for _, _, k in weights}}
             outs = {n: torch.empty(rows, n) for n in {n for _, n, _ in weights}}
-            times, heads = {name: [] for name in kernels}, {}
+            times, last = {name: [] for name in kernels}, {}
             for r in range(args.rounds):
                 for name in (kernels if r % 2 else reversed(kernels)):
                     times[name].append(step(kernels[name], weights, xs, outs, rows, args.threads))
-                    heads[name] = outs[HEAD[0]].clone()
+                    last[name] = {n: out.clone() for n, out in outs.items()}
             base, tree = statistics.median(times["base"]), statistics.median(times["tree"])
             print(f"rows {rows:3d}: base {base * 1e3:7.1f} ms  tree {tree * 1e3:7.1f} ms  tree/base {tree / base:.2f}"
-                  f"  same bits {torch.equal(heads['base'], heads['tree'])}", flush=True)
+                  f"  same bits {all(torch.equal(last['base'][n], last['tree'][n]) for n in outs)}", flush=True)
 
 
 if __name__ == "__main__":

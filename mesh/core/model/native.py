@@ -48,12 +48,14 @@ def _cpu_model() -> str:
     return model + flags or platform.processor()
 
 
-def _build(compiler: str, target: Path) -> None:
+def build_library(compiler: str, target: Path, sources: tuple[Path, ...] = SOURCES) -> None:
+    """Compile `sources` (default: the station's kernels) with CFLAGS into the shared library `target`, written
+    under a temporary name and then renamed, so a concurrent reader never sees half a file."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *CFLAGS, *map(str, sources), "-o", tmp, "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -94,7 +96,7 @@ def load_native() -> tuple[ctypes.CDLL | None, str]:
         if not target.exists():
             if compiler is None:
                 return None, "no C compiler (cc or gcc) to build the native kernels"
-            _build(compiler, target)
+            build_library(compiler, target)
         lib = ctypes.CDLL(str(target))
     except subprocess.CalledProcessError as e:
         return None, f"building the native kernels failed: {e.stderr.strip()[-300:]}"
