@@ -8,7 +8,8 @@ each in alternating rounds: SmolLM2-135M's shapes (30 layers of qkv 960x576, o 5
 down 576x1536, then the 49152x576 head), each layer its own random weights (~540 MB float32, so every weight
 streams from memory as it does in a served step; a benchmark that reuses one small matrix reads it from cache and
 misjudges prefetching). Prints per row count the median step time of each, their ratio, and whether their outputs'
-bits are equal (the last linear of each output shape: qkv, down, gate_up, head; a kernel change must not move them). Measures the kernels alone: no station, no model.
+bits are equal (the last linear of each output shape: qkv, down, gate_up, head; a kernel change must not move
+them). Measures the kernels alone: no station, no model.
 """
 from __future__ import annotations
 
