@@ -274,6 +274,42 @@ def test_decode_forward_errors() -> None:
         wire.decode_forward(req, **LIMITS)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_decode_forward_refuses_non_finite_rows_and_takes_the_largest_finite(dtype: str) -> None:
+    torch_dtype = wire.DTYPES[dtype]
+    largest = torch.finfo(torch_dtype).max
+    req = _hidden_req(dtype)
+    req.hidden.CopyFrom(wire.tensor_to_proto(torch.full((6, 8), largest, dtype=torch_dtype)))
+    _, _, _, hidden = wire.decode_forward(req, **{**LIMITS, "dtype": dtype})  # every value at the top of the range
+    assert bool((hidden == largest).all())
+    for row, values in ((0, [float("nan")]), (3, [float("inf")]), (5, [float("-inf")]),
+                        (2, [float("inf"), float("-inf")])):  # +inf and -inf together: no single sign survives
+        h = torch.full((6, 8), -largest, dtype=torch_dtype)
+        for col, v in enumerate(values):
+            h[row, col] = v
+        req.hidden.CopyFrom(wire.tensor_to_proto(h))
+        with _raises(f"hidden[{row}]"):
+            wire.decode_forward(req, **{**LIMITS, "dtype": dtype})
+
+
+def test_all_finite_on_every_float_width() -> None:
+    huge = torch.full((4, 4), torch.finfo(torch.float64).max, dtype=torch.float64)
+    assert wire.all_finite(huge)
+    huge[1, 2] = float("nan")
+    assert not wire.all_finite(huge)
+    assert wire.all_finite(torch.arange(5)) and wire.all_finite(torch.empty(0, 8))
+    assert wire.all_finite(torch.full((3, 5), -1e-40)[:, 1:4])  # subnormal, not contiguous
+    assert not wire.all_finite(torch.tensor([1.0, float("-inf")], dtype=torch.float16))
+
+
+def test_entries_sharing_sampling_values_share_one_object_and_others_keep_theirs() -> None:
+    greedy, hot = SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9, seed=3)
+    sent = tuple(WaveEntry(i, 4, 1, greedy if i % 2 else hot) for i in range(6))
+    got = wire.proto_to_entries(wire.entries_to_proto(sent))
+    assert got == sent
+    assert got[1].sample is got[3].sample and got[0].sample is got[2].sample and got[0].sample is not got[1].sample
+
+
 # ---- no object deserialization ----------------------------------------------------------------
 
 def test_wire_never_unpickles(monkeypatch: pytest.MonkeyPatch) -> None:

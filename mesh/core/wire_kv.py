@@ -12,8 +12,8 @@ import torch
 
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.wave import WaveEntry, wave_rows
-from mesh.core.wire import WireError, dtype_itemsize, entries_to_proto, proto_to_entries, proto_to_tensor, \
-    tensor_to_proto
+from mesh.core.wire import WireError, all_finite, dtype_itemsize, entries_to_proto, proto_to_entries, \
+    proto_to_tensor, tensor_to_proto
 
 MAX_COPY_BYTES = 32 << 20  # K and V of one copy call at most (the orchestrator cuts larger copies; servers accept it)
 MAX_COPY_ROWS = 4096  # positions of one copy call at most (within a station server's default max_rows)
@@ -37,7 +37,7 @@ def kv_rows_from_proto(k: pb.Tensor, v: pb.Tensor, *, dtype: str,
     out = []
     for name, msg in (("k", k), ("v", v)):
         t = proto_to_tensor(msg, expect_dtype=dtype, expect_shape=shape, max_bytes=limit, field=name)
-        if not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             raise WireError(f"{name}: holds NaN or infinite values; copied KV must be finite")
         out.append(t)
     return out[0], out[1]
