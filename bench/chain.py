@@ -1,7 +1,7 @@
 """Mesh benchmark: the in-process engine vs 1, 2 and 3 stations over Ray + gRPC, at 1 and 16 concurrent requests.
 
     python bench/chain.py [--model DIR] [--configs inproc,1,2,3] [--concurrency 1,16] [--prompt 32] [--tokens 32]
-                         [--max-seqs 16] [--repeats 3] [--dtype float32] [--quick]
+                         [--max-seqs 16] [--repeats 3] [--dtype float32] [--hidden-path direct|hub] [--quick]
     mesh bench mesh ...  (same arguments)
 
 Configurations: `inproc` is an Engine over LocalLink(Station(full model)) in this process (torch's default
@@ -14,7 +14,9 @@ One point: K equal requests (prompt P random ids, T output tokens, greedy, ignor
 time first submit -> last result; aggregate tok/s = K * T / wall (median over repeats). Every station link is
 wrapped to record, per forward call, the link's wall time (RPC round trip included), the station's own compute
 seconds (reported in each reply) and what crossed the wire (the protobuf ByteSize of each ForwardRequest,
-ForwardReply and ReleaseRequest, computed after the timed run). Per wave: wall / waves, the slowest station's
+ForwardReply and ReleaseRequest, computed after the timed run; on the direct path, the default as in the YAML, that
+is the orchestrator's traffic only: token ids out, samples back, the hidden rows going station to station, and a
+relayed station's seconds come from the first station's reply). Per wave: wall / waves, the slowest station's
 compute / waves, and orchestration overhead = (wall - max station compute) / waves.
 Targets (reported, never asserted): 1 station over gRPC >= 0.9x in-process, and 2 pipelined stations >= 0.9x
 1 station, at the largest concurrency (16). The last line printed is one JSON object with every figure.
@@ -61,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-seqs", type=int, default=16)
     p.add_argument("--balance", default="memory", choices=["memory", "compute"],
                    help="how station counts are split (MeshConfig.balance)")
+    p.add_argument("--hidden-path", default="direct", choices=["direct", "hub"],
+                   help="hidden rows station to station (the YAML default) or through the orchestrator")
     p.add_argument("--extra-waves", type=int, default=0,
                    help="waves in flight beyond one per station (SchedulerConfig.extra_waves), every config")
     p.add_argument("--repeats", type=int, help="repeats of every point, median (default 3)")
@@ -110,6 +114,22 @@ class MeteredLink:
         if self.remote:
             self.sent.append((wave_id, entries, token_ids, hidden, out))
         return out
+
+    def relay(self, wave_id, entries, token_ids, successors):
+        """Direct transfer (`scheduler.hidden_path: direct`): run the wave here and on through `successors` (metered
+        links too), each station's own seconds and call time taken from the relayed reports."""
+        t0 = time.perf_counter()
+        reply = self.inner.relay(wave_id, entries, token_ids, [s.inner for s in successors])
+        self.call_s += time.perf_counter() - t0
+        self.calls += 1
+        self.compute_s += reply.output.seconds
+        for link, hop in zip(successors, reply.hops):
+            link.calls += 1
+            link.call_s += hop.call_seconds
+            link.compute_s += hop.forward_seconds
+        if self.remote:  # only token ids went out and samples came back through the orchestrator
+            self.sent.append((wave_id, entries, token_ids, None, reply.output))
+        return reply
 
     def release(self, seq_ids) -> None:
         """Free KV on the wrapped link, timing it."""
@@ -233,7 +253,7 @@ def start_configs(args, model_dir: Path, cfg: ModelConfig, sched: SchedulerConfi
         cluster = Cluster(mesh_cfg, model_dir, progress=log)
         cluster.start()
         links = [MeteredLink(link, remote=True) for link in cluster.engine.pipeline.links]
-        cluster.engine.switch_route(links)  # same stations, now metered
+        cluster.engine.switch_route(links)  # same stations, now metered (on the configured hidden path)
         desc = [{"layers": list(s.layers), "num_cpus": s.num_cpus, "torch_threads": st.get("torch_threads"),
                  "cpu_affinity": st.get("cpu_affinity"), "where": "ray+grpc"}
                 for s, st in zip(specs, cluster.status()["stations"])]
@@ -258,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model(args.model, "tiny" if args.quick else "bench")
     cfg = ModelConfig.from_dir(model_dir)
     sched = SchedulerConfig(max_seqs=args.max_seqs, max_wave_tokens=max(512, args.max_seqs),
-                            max_queue=max(256, *args.concurrency), extra_waves=args.extra_waves)
+                            max_queue=max(256, *args.concurrency), extra_waves=args.extra_waves,
+                            hidden_path=args.hidden_path)
     log(f"model {model_dir} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {args.dtype}, cpu); "
         f"configs {args.configs}; K {args.concurrency}; prompt {args.prompt}, {args.tokens} tokens; "
         f"{args.repeats} repeats")
@@ -322,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = {
         "tok_s": tok_s, "detail": detail, "targets": targets, "tokens_match_inproc": match,
         "stations": {c: up[c][2] for c in args.configs}, "concurrency": args.concurrency, "prompt": args.prompt,
-        "tokens": args.tokens, "max_seqs": args.max_seqs, "extra_waves": args.extra_waves, "balance": args.balance, "repeats": args.repeats, "dtype": args.dtype,
+        "tokens": args.tokens, "max_seqs": args.max_seqs, "extra_waves": args.extra_waves, "hidden_path": args.hidden_path, "balance": args.balance, "repeats": args.repeats, "dtype": args.dtype,
         "model": str(model_dir), "machine": mach, "loadavg_1m_end": os.getloadavg()[0],
     }
     print(json.dumps(figures))
