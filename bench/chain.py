@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     figures = {
         "tok_s": tok_s, "detail": detail, "targets": targets, "tokens_match_inproc": match,
         "stations": {c: up[c][2] for c in args.configs}, "concurrency": args.concurrency, "prompt": args.prompt,
-        "tokens": args.tokens, "max_seqs": args.max_seqs, "extra_waves": args.extra_waves, "hidden_path": args.hidden_path, "balance": args.balance, "repeats": args.repeats, "dtype": args.dtype,
+        "tokens": args.tokens, "max_seqs": args.max_seqs, "extra_waves": args.extra_waves,
+        "hidden_path": args.hidden_path, "balance": args.balance, "repeats": args.repeats, "dtype": args.dtype,
         "model": str(model_dir), "machine": mach, "loadavg_1m_end": os.getloadavg()[0],
     }
     print(json.dumps(figures))

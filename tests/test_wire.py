@@ -283,7 +283,7 @@ def test_decode_forward_refuses_non_finite_rows_and_takes_the_largest_finite(dty
     _, _, _, hidden = wire.decode_forward(req, **{**LIMITS, "dtype": dtype})  # every value at the top of the range
     assert bool((hidden == largest).all())
     for row, values in ((0, [float("nan")]), (3, [float("inf")]), (5, [float("-inf")]),
-                        (2, [float("inf"), float("-inf")])):  # +inf and -inf together: no single sign survives
+                        (2, [float("inf"), float("-inf")])):  # both infinities in one row
         h = torch.full((6, 8), -largest, dtype=torch_dtype)
         for col, v in enumerate(values):
             h[row, col] = v
