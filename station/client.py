@@ -22,6 +22,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mesh.core.allocator import keep_large_blocks
 from mesh.core.transport import StationTls, bearer_metadata
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
@@ -75,6 +76,7 @@ class StationClient:
         """
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        keep_large_blocks()  # hidden rows sent and received (hub path): freed buffers reused, not fresh pages
         self.address = address
         self.timeout_s = timeout_s
         self.hidden_size = hidden_size

@@ -34,6 +34,7 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from mesh.core.allocator import keep_large_blocks
 from mesh.core.config import DTYPE_BYTES, ConfigError, is_int
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
@@ -277,6 +278,7 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
     certificate for both sides, as `mesh up` deploys; give the orchestrator's client material where station
     certificates are for serving only). Relayed calls carry `token` too.
     """
+    keep_large_blocks()  # a wave's payload buffers (hidden rows, MiB each) reuse freed memory, not fresh pages
     cfg = station.config
     kv_row = 2 * (station.spec.end - station.spec.start) * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[station.spec.dtype]
     size = limits.message_bytes(cfg.hidden_size, kv_row)

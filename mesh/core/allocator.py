@@ -13,6 +13,10 @@ A worker thread's allocations come from a per-thread arena, whose extra heaps
 some CPUs (seen on an Intel Xeon, not on the AMD EPYC of earlier runs) a wave's
 8 MiB temporary landed in such a heap and was faulted in afresh every round.
 A top pad of one heap's size keeps an emptied heap mapped too.
+The wire has the same pattern: each MiB of hidden rows a hop encodes, sends, receives and parses passes
+through several fresh buffers, and a process left to glibc faulted ~2,000 pages per 1 MiB hop (6-12 ms of a
+hop on the VMs measured); so a station's gRPC server and every StationClient set this too, not only the compute
+thread (tests/test_allocator.py).
 Raising the thresholds and the pad keeps that memory in the process, where the
 next wave's temporaries reuse it: the process holds on to its peak working set,
 as a serving engine that preallocates would (the pad is address space, touched
