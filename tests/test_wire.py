@@ -184,6 +184,9 @@ def test_samples_errors() -> None:
     bad = pb.Samples(); bad.CopyFrom(msg); bad.samples[0].logprob = float("nan")
     with _raises("samples[0].logprob"):
         wire.proto_to_samples(bad)
+    bad = pb.Samples(); bad.CopyFrom(msg); bad.samples[0].top[0].logprob = 0.5
+    with pytest.raises(WireError, match=r"^samples\[0\]\.top\[0\]\.logprob: must be a log-probability <= 0, got 0\.5$"):
+        wire.proto_to_samples(bad)
     bad = pb.Samples(); bad.CopyFrom(msg); bad.samples[1].logprob = -1.0
     with _raises("samples[1]"):
         wire.proto_to_samples(bad)

@@ -126,18 +126,25 @@ def _from_f32(v: float) -> float:
 def entries_to_proto(entries: Sequence[WaveEntry]) -> list[pb.Entry]:
     """Encode a wave's entries; only the per-step sampling fields of SamplingParams travel."""
     out = []
+    sampling: dict[int, pb.Sampling] = {}  # one message per distinct SamplingParams object (a wave shares few)
     for i, e in enumerate(entries):
         if not isinstance(e, WaveEntry):
             raise WireError(f"entries[{i}]: expected a WaveEntry, got {type(e).__name__}")
         try:
-            msg = pb.Entry(seq_id=e.seq_id, start_pos=e.start_pos, n_tokens=e.n_tokens, blocks=e.blocks)
-            if e.sample is not None:
-                s = e.sample
-                # Every valid SamplingParams must travel: a top_k past uint32 means "all" as much as the
-                # vocabulary size does, and a top_p below float32's least normal keeps the top token alone,
-                # as top_p = 1.2e-38 does; float32 rounding would otherwise turn it into a refused 0.0.
-                msg.sample.CopyFrom(pb.Sampling(temperature=s.temperature, top_p=max(s.top_p, _F32_TINY),
-                                                top_k=min(s.top_k, _UINT32_MAX), seed=s.seed, logprobs=s.logprobs))
+            s = e.sample
+            if s is None:
+                msg = pb.Entry(seq_id=e.seq_id, start_pos=e.start_pos, n_tokens=e.n_tokens, blocks=e.blocks)
+            else:
+                sample = sampling.get(id(s))
+                if sample is None:
+                    # Every valid SamplingParams must travel: a top_k past uint32 means "all" as much as the
+                    # vocabulary size does, and a top_p below float32's least normal keeps the top token alone,
+                    # as top_p = 1.2e-38 does; float32 rounding would otherwise turn it into a refused 0.0.
+                    sample = sampling[id(s)] = pb.Sampling(temperature=s.temperature, top_p=max(s.top_p, _F32_TINY),
+                                                           top_k=min(s.top_k, _UINT32_MAX), seed=s.seed,
+                                                           logprobs=s.logprobs)
+                msg = pb.Entry(seq_id=e.seq_id, start_pos=e.start_pos, n_tokens=e.n_tokens, blocks=e.blocks,
+                               sample=sample)
         except (ValueError, TypeError) as err:  # out of uint32/uint64 range
             raise WireError(f"entries[{i}]: {err}") from err
         out.append(msg)
@@ -201,32 +208,35 @@ def proto_to_samples(msg: pb.Samples, *, n_entries: int | None = None,
         raise WireError(f"samples: expected {n_entries} (one per entry), got {len(msg.samples)}")
     hi = vocab_size if vocab_size is not None else _INT32_MAX + 1
 
-    def check_token(where: str, tok: int) -> None:
-        if not 0 <= tok < hi:
-            raise WireError(f"{where}: {tok} is outside the vocabulary [0, {hi})")
+    def bad_token(where: str, tok: int) -> WireError:
+        return WireError(f"{where}: {tok} is outside the vocabulary [0, {hi})")
 
-    def check_logprob(where: str, lp: float) -> None:
-        if math.isnan(lp) or lp > 0.0:
-            raise WireError(f"{where}: must be a log-probability <= 0, got {lp}")
+    def bad_logprob(where: str, lp: float) -> WireError:
+        return WireError(f"{where}: must be a log-probability <= 0, got {lp}")
 
     out: list[SampledToken | None] = []
-    for i, s in enumerate(msg.samples):
+    for i, s in enumerate(msg.samples):  # the checks inline, their messages built only on failure
         if not s.present:
             if s.top or s.HasField("logprob"):
                 raise WireError(f"samples[{i}]: logprobs given for an entry that sampled no token")
             out.append(None)
             continue
-        check_token(f"samples[{i}].token_id", s.token_id)
+        token_id = s.token_id
+        if not 0 <= token_id < hi:
+            raise bad_token(f"samples[{i}].token_id", token_id)
         logprob = None
         if s.HasField("logprob"):
-            check_logprob(f"samples[{i}].logprob", s.logprob)
             logprob = s.logprob
+            if math.isnan(logprob) or logprob > 0.0:
+                raise bad_logprob(f"samples[{i}].logprob", logprob)
         top = []
         for j, t in enumerate(s.top):
-            check_token(f"samples[{i}].top[{j}].token_id", t.token_id)
-            check_logprob(f"samples[{i}].top[{j}].logprob", t.logprob)
+            if not 0 <= t.token_id < hi:
+                raise bad_token(f"samples[{i}].top[{j}].token_id", t.token_id)
+            if math.isnan(t.logprob) or t.logprob > 0.0:
+                raise bad_logprob(f"samples[{i}].top[{j}].logprob", t.logprob)
             top.append((t.token_id, t.logprob))
-        out.append(SampledToken(token_id=s.token_id, logprob=logprob, top_logprobs=tuple(top)))
+        out.append(SampledToken(token_id, logprob, tuple(top)))
     return out
 
 
