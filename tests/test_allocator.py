@@ -1,5 +1,5 @@
-"""The compute thread's allocator setting: waves of changing size reuse freed memory instead of
-faulting in fresh pages (mesh/core/allocator.py)."""
+"""The allocator setting of the compute thread, the station server and the station client: waves of changing
+size, and the wire's MiB payloads, reuse freed memory instead of faulting in fresh pages (mesh/core/allocator.py)."""
 from __future__ import annotations
 
 import subprocess
