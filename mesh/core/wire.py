@@ -123,6 +123,14 @@ def _from_f32(v: float) -> float:
     return float(str(np.float32(v)))
 
 
+def _sampling_to_proto(s: SamplingParams) -> pb.Sampling:
+    """The per-step sampling fields of `s`. Every valid SamplingParams must travel: a top_k past uint32 means "all"
+    as much as the vocabulary size does, and a top_p below float32's least normal keeps the top token alone, as
+    top_p = 1.2e-38 does; float32 rounding would otherwise turn it into a refused 0.0."""
+    return pb.Sampling(temperature=s.temperature, top_p=max(s.top_p, _F32_TINY), top_k=min(s.top_k, _UINT32_MAX),
+                       seed=s.seed, logprobs=s.logprobs)
+
+
 def entries_to_proto(entries: Sequence[WaveEntry]) -> list[pb.Entry]:
     """Encode a wave's entries; only the per-step sampling fields of SamplingParams travel."""
     out = []
@@ -131,23 +139,14 @@ def entries_to_proto(entries: Sequence[WaveEntry]) -> list[pb.Entry]:
         if not isinstance(e, WaveEntry):
             raise WireError(f"entries[{i}]: expected a WaveEntry, got {type(e).__name__}")
         try:
-            s = e.sample
-            if s is None:
-                msg = pb.Entry(seq_id=e.seq_id, start_pos=e.start_pos, n_tokens=e.n_tokens, blocks=e.blocks)
-            else:
-                sample = sampling.get(id(s))
-                if sample is None:
-                    # Every valid SamplingParams must travel: a top_k past uint32 means "all" as much as the
-                    # vocabulary size does, and a top_p below float32's least normal keeps the top token alone,
-                    # as top_p = 1.2e-38 does; float32 rounding would otherwise turn it into a refused 0.0.
-                    sample = sampling[id(s)] = pb.Sampling(temperature=s.temperature, top_p=max(s.top_p, _F32_TINY),
-                                                           top_k=min(s.top_k, _UINT32_MAX), seed=s.seed,
-                                                           logprobs=s.logprobs)
-                msg = pb.Entry(seq_id=e.seq_id, start_pos=e.start_pos, n_tokens=e.n_tokens, blocks=e.blocks,
-                               sample=sample)
+            sample = None
+            if e.sample is not None:
+                if (sample := sampling.get(id(e.sample))) is None:
+                    sample = sampling[id(e.sample)] = _sampling_to_proto(e.sample)
+            out.append(pb.Entry(seq_id=e.seq_id, start_pos=e.start_pos, n_tokens=e.n_tokens, blocks=e.blocks,
+                                sample=sample))
         except (ValueError, TypeError) as err:  # out of uint32/uint64 range
             raise WireError(f"entries[{i}]: {err}") from err
-        out.append(msg)
     return out
 
 
