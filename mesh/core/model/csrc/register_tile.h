@@ -96,10 +96,10 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
  * time; the last one or two rows: the whole width). Weights streamed from memory (not from L1) are requested ahead
  * by the row count (measured on a model's worth of weights: `mesh bench linear_stream`, bench/out/linear_stream.txt):
  * one or two rows alone (a decode step) read the tile in one sequential pass, which the hardware prefetcher follows
- * best unhelped; the one row tile of 3-6 rows requests the whole next block in memory order (its four strided passes
- * defeat the hardware prefetcher: ~30% faster); up to 16 rows, every row tile requests its pass's columns one block
- * ahead (~20% faster than 16 k); more rows 16 k ahead (a block computes long enough for the hardware prefetcher, and
- * further ahead the rows' x push the block out of L1 before its use). */
+ * best unhelped; 3-40 rows request the whole next block in memory order, spread over every pass of every row tile
+ * (the passes stride across the block, which defeats the hardware prefetcher: 3-6 rows ~30% faster, 8-40 rows
+ * 13-26% faster than requesting each pass's columns one block ahead); more rows 16 k ahead (a block computes long
+ * enough for the hardware prefetcher, and further ahead the rows' x push the block out of L1 before its use). */
 INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int prefetch,
                             const int ahead, float *acc) {
     int64_t t = 0;
@@ -120,8 +120,7 @@ INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const float 
 INLINE void all_rows_over_block(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int streamed,
                                 float *acc) {
     if (!streamed || T <= 2) rows_requesting(x, ldx, T, w, kb, 0, 0, acc);
-    else if (T <= TILE_T) rows_requesting(x, ldx, T, w, kb, 0, 1, acc);
-    else if (T <= 16) rows_requesting(x, ldx, T, w, kb, 64, 0, acc);
+    else if (T <= 40) rows_requesting(x, ldx, T, w, kb, 0, 1, acc);
     else rows_requesting(x, ldx, T, w, kb, 16, 0, acc);
 }
 
