@@ -118,13 +118,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _perf_round(url: str, prompts: list[list[int]], tokens: int, frequency: int, data: Path, http_round) -> dict:
+def _perf_round(load, prompts: list[list[int]], tokens: int, frequency: int, data: Path) -> dict:
     """One round of the prompts under `perf record -a`: its counts per category, tokens, seconds."""
     perf = subprocess.Popen(["perf", "record", "-a", "-e", "cpu-clock", "-F", str(frequency), "-o", str(data)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(0.5)  # perf has opened every CPU's event
     try:
-        generated, seconds = http_round(url, prompts, tokens)
+        generated, seconds = load.round(prompts, tokens)
     finally:
         perf.send_signal(signal.SIGINT)
         _, err = perf.communicate(timeout=120)
@@ -157,16 +157,18 @@ def measure(args) -> tuple[dict, list]:
                    else sides.llama_server_command(bin_dir, gguf, args.threads, most, ctx, port))
             url = f"http://127.0.0.1:{port}"
             proc = start_server(cmd, url, Path(tmp) / f"{side}.log", "mesh up" if side == "ours" else "llama-server")
+            load = sides.LoadClient(url, most)
             try:
-                sides.http_round(url, sides.http_prompts(-1, most, args.prompt_tokens, vocab), 4)
+                load.round(sides.http_prompts(-1, most, args.prompt_tokens, vocab), 4)
                 for clients in args.clients:
                     prompts = sides.http_prompts(clients, clients, args.prompt_tokens, vocab)
-                    results[side, clients] = _perf_round(url, prompts, args.tokens, args.frequency,
-                                                         Path(tmp) / f"{side}-{clients}.data", sides.http_round)
+                    results[side, clients] = _perf_round(load, prompts, args.tokens, args.frequency,
+                                                         Path(tmp) / f"{side}-{clients}.data")
                     order.append((side, clients))
                     print(f"{side} {clients} clients: {results[side, clients]['tok_s']:.1f} tok/s",
                           file=sys.stderr, flush=True)
             finally:
+                load.close()
                 stop_server(proc)
     order.sort(key=lambda k: (k[1], k[0] != "ours"))
     return results, order
