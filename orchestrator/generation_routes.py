@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,25 +31,17 @@ _DISCONNECT_POLL_S = 0.25
 
 
 class _Trace:
-    """Per-request timing the API layer sees: token arrival times per choice."""
+    """Whether a request's record was taken (once, at its end or when its client left)."""
 
-    def __init__(self, n: int) -> None:
-        self.token_times: list[list[float]] = [[] for _ in range(n)]
+    def __init__(self) -> None:
         self.closed = False
-
-    async def events(self, stream: RequestStream) -> AsyncIterator:
-        """The stream's events, recording when each choice's tokens arrived."""
-        async for ev in stream:
-            if ev.token_ids:
-                self.token_times[ev.index].append(time.monotonic())
-            yield ev
 
     def record(self, req: GenerationRequest, stream: RequestStream) -> RequestRecord:
         """The RequestRecord of a request that ended."""
         outs = stream.outputs
         end = stream.finished_at or time.monotonic()
         queued = getattr(stream, "scheduled_at", None)
-        gaps = tuple(b - a for times in self.token_times for a, b in itertools.pairwise(times))
+        gaps = tuple(b - a for times in stream.token_times for a, b in itertools.pairwise(times))
         return RequestRecord(
             prompt_tokens=len(req.prompt_ids), completion_tokens=sum(len(o.token_ids) for o in outs),
             finish_reasons=tuple(o.finish_reason or "cancelled" for o in outs),
@@ -91,13 +83,13 @@ class GenerationRoutes:
             stream = self.engine.submit(list(req.prompt_ids), req.params, req.n, request_id)
         except AdmissionError as err:
             raise _admission_error(err) from err
-        trace = _Trace(req.n)
+        trace = _Trace()
         if req.stream:  # the background task closes a stream whose generator never started
             return StreamingResponse(self._sse(request, req, stream, trace), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                      background=BackgroundTask(self.close, req, stream, trace))
         try:
-            finished = await self._collect(request, stream, trace)
+            finished = await self._collect(request, stream)
         finally:
             self.close(req, stream, trace)
         if not finished:
@@ -115,13 +107,9 @@ class GenerationRoutes:
             trace.closed = True
             self.metrics.observe_request(trace.record(req, stream))
 
-    async def _collect(self, request: Request, stream: RequestStream, trace: _Trace) -> bool:
-        """Drain a non-streaming request's events; False if the client disconnected first."""
-        async def drain() -> None:
-            async for _ in trace.events(stream):
-                pass
-
-        task = asyncio.ensure_future(drain())
+    async def _collect(self, request: Request, stream: RequestStream) -> bool:
+        """Wait for a non-streaming request's end (woken once, not per token); False if the client left first."""
+        task = asyncio.ensure_future(stream.result_async())
         try:
             while not task.done():
                 await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
@@ -141,7 +129,7 @@ class GenerationRoutes:
             if req.chat:
                 yield sse(fmt.role_chunk(req, request_id, created))
                 first = False
-            async for ev in trace.events(stream):
+            async for ev in stream:
                 if await request.is_disconnected():
                     return
                 tokens += len(ev.token_ids)

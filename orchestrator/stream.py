@@ -131,24 +131,32 @@ class RequestStream:
         self.first_token_at: float | None = None
         self.cached_tokens = 0  # prompt tokens of its first choice found in the prefix cache at admission
         self.finished_at: float | None = None
+        self.token_times: list[list[float]] = [[] for _ in range(n)]  # per choice: when each token event was pushed
         self._loop = loop
+        self._quiet = False  # the consumer waits for the end only: no wake-up per token (result / result_async)
         self._sync: queue.Queue = queue.Queue()
         self._async: asyncio.Queue | None = asyncio.Queue() if loop else None
         self._open = n
 
     def push(self, ev: StreamEvent) -> None:
-        """Engine side: record and deliver one event (thread-safe)."""
+        """Engine side: record and deliver one event (thread-safe). A consumer waiting for the end only (`result`,
+        `result_async`) is woken by the last event of each choice, not by every token."""
         out = self.outputs[ev.index]
         out.token_ids.extend(ev.token_ids)
         out.text += ev.text
         out.logprobs.extend(ev.logprobs)
-        if ev.token_ids and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+        if ev.token_ids:
+            now = time.monotonic()
+            self.token_times[ev.index].append(now)
+            if self.first_token_at is None:
+                self.first_token_at = now
         if ev.finish_reason is not None:
             out.finish_reason, out.error = ev.finish_reason, ev.error
             self._open -= 1
             if self._open == 0:
                 self.finished_at = time.monotonic()
+        elif self._quiet:
+            return
         if self._async is not None:
             self._loop.call_soon_threadsafe(self._async.put_nowait, ev)
         else:
@@ -178,12 +186,14 @@ class RequestStream:
     def result(self, timeout: float | None = None) -> list[CompletionOutput]:
         """Block until every choice finishes (for a blocking consumer); returns their outputs."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._quiet = True  # set before `done` is read: an end pushed after that read is queued
         while not self.done:  # push() updates outputs before it queues, so `done` is final once seen
             self._sync.get(timeout=None if deadline is None else max(0.001, deadline - time.monotonic()))
         return self.outputs
 
     async def result_async(self) -> list[CompletionOutput]:
         """Await every choice's end (for an asyncio consumer); returns their outputs."""
+        self._quiet = True
         while not self.done:
             await self._async.get()
         return self.outputs
