@@ -30,24 +30,25 @@ _CODES = {"never_fits": "context_length_exceeded", "queue_full": "queue_full", "
 _DISCONNECT_POLL_S = 0.25
 
 
-class _Trace:
-    """Whether a request's record was taken (once, at its end or when its client left)."""
+class _RecordOnce:
+    """Whether a request's record was taken (once: at its end, or when its client left)."""
 
     def __init__(self) -> None:
-        self.closed = False
+        self.taken = False
 
-    def record(self, req: GenerationRequest, stream: RequestStream) -> RequestRecord:
-        """The RequestRecord of a request that ended."""
-        outs = stream.outputs
-        end = stream.finished_at or time.monotonic()
-        queued = getattr(stream, "scheduled_at", None)
-        gaps = tuple(b - a for times in stream.token_times for a, b in itertools.pairwise(times))
-        return RequestRecord(
-            prompt_tokens=len(req.prompt_ids), completion_tokens=sum(len(o.token_ids) for o in outs),
-            finish_reasons=tuple(o.finish_reason or "cancelled" for o in outs),
-            ttft_s=stream.first_token_at - stream.arrival if stream.first_token_at is not None else None,
-            e2e_s=end - stream.arrival, queue_s=queued - stream.arrival if queued is not None else None,
-            inter_token_s=gaps)
+
+def _request_record(req: GenerationRequest, stream: RequestStream) -> RequestRecord:
+    """The RequestRecord of a request that ended (its token times are the stream's)."""
+    outs = stream.outputs
+    end = stream.finished_at or time.monotonic()
+    queued = getattr(stream, "scheduled_at", None)
+    gaps = tuple(b - a for times in stream.token_times for a, b in itertools.pairwise(times))
+    return RequestRecord(
+        prompt_tokens=len(req.prompt_ids), completion_tokens=sum(len(o.token_ids) for o in outs),
+        finish_reasons=tuple(o.finish_reason or "cancelled" for o in outs),
+        ttft_s=stream.first_token_at - stream.arrival if stream.first_token_at is not None else None,
+        e2e_s=end - stream.arrival, queue_s=queued - stream.arrival if queued is not None else None,
+        inter_token_s=gaps)
 
 
 class GenerationRoutes:
@@ -83,15 +84,15 @@ class GenerationRoutes:
             stream = self.engine.submit(list(req.prompt_ids), req.params, req.n, request_id)
         except AdmissionError as err:
             raise _admission_error(err) from err
-        trace = _Trace()
+        once = _RecordOnce()
         if req.stream:  # the background task closes a stream whose generator never started
-            return StreamingResponse(self._sse(request, req, stream, trace), media_type="text/event-stream",
+            return StreamingResponse(self._sse(request, req, stream, once), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                     background=BackgroundTask(self.close, req, stream, trace))
+                                     background=BackgroundTask(self.close, req, stream, once))
         try:
             finished = await self._collect(request, stream)
         finally:
-            self.close(req, stream, trace)
+            self.close(req, stream, once)
         if not finished:
             return Response(status_code=499)  # the client is gone; nobody reads this
         failed = [o for o in stream.outputs if o.finish_reason == "error"]
@@ -99,13 +100,13 @@ class GenerationRoutes:
             raise ApiError(500, f"generation failed: {failed[0].error}", None, "generation_failed")
         return JSONResponse(self.fmt.response(req, request_id, now_s(), stream.outputs, stream.cached_tokens))
 
-    def close(self, req: GenerationRequest, stream: RequestStream, trace: _Trace) -> None:
+    def close(self, req: GenerationRequest, stream: RequestStream, once: _RecordOnce) -> None:
         """Cancel the request if it still runs (the client left) and record it, once."""
         if not stream.done:
             self.engine.cancel(stream.request_id)
-        if not trace.closed:
-            trace.closed = True
-            self.metrics.observe_request(trace.record(req, stream))
+        if not once.taken:
+            once.taken = True
+            self.metrics.observe_request(_request_record(req, stream))
 
     async def _collect(self, request: Request, stream: RequestStream) -> bool:
         """Wait for a non-streaming request's end (woken once, not per token); False if the client left first."""
@@ -120,7 +121,7 @@ class GenerationRoutes:
         finally:
             task.cancel()
 
-    async def _sse(self, request: Request, req: GenerationRequest, stream: RequestStream, trace: _Trace):
+    async def _sse(self, request: Request, req: GenerationRequest, stream: RequestStream, once: _RecordOnce):
         fmt = self.fmt
         request_id, created = stream.request_id, now_s()
         offsets = [0] * req.n
@@ -139,12 +140,12 @@ class GenerationRoutes:
                 yield sse(fmt.event_chunk(req, request_id, created, ev, offsets[ev.index], first))
                 offsets[ev.index] += len(ev.text)
                 first = False
-            self.close(req, stream, trace)  # recorded before [DONE], so a scrape after it sees this request
+            self.close(req, stream, once)  # recorded before [DONE], so a scrape after it sees this request
             if req.include_usage:
                 yield sse(fmt.usage_chunk(req, request_id, created, tokens, stream.cached_tokens))
             yield DONE
         finally:  # also when the response is cancelled because the client went away
-            self.close(req, stream, trace)
+            self.close(req, stream, once)
 
 
 def _admission_error(err: AdmissionError) -> ApiError:
