@@ -119,7 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _perf_round(load, prompts: list[list[int]], tokens: int, frequency: int, data: Path) -> dict:
-    """One round of the prompts under `perf record -a`: its counts per category, tokens, seconds."""
+    """One round of the prompts through `load` (vs_llamacpp_sides.LoadClient) under `perf record -a`: its counts per
+    category, tokens, seconds."""
     perf = subprocess.Popen(["perf", "record", "-a", "-e", "cpu-clock", "-F", str(frequency), "-o", str(data)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(0.5)  # perf has opened every CPU's event

@@ -98,7 +98,7 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
  * one or two rows alone (a decode step) read the tile in one sequential pass, which the hardware prefetcher follows
  * best unhelped; 3-40 rows request the whole next block in memory order, spread over every pass of every row tile
  * (the passes stride across the block, which defeats the hardware prefetcher: 3-6 rows ~30% faster, 8-40 rows
- * 13-26% faster than requesting each pass's columns one block ahead); more rows 16 k ahead (a block computes long
+ * 7-26% faster than requesting each pass's columns one block ahead); more rows 16 k ahead (a block computes long
  * enough for the hardware prefetcher, and further ahead the rows' x push the block out of L1 before its use). */
 INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int prefetch,
                             const int ahead, float *acc) {
