@@ -20,6 +20,9 @@ Repeated loads in one process reuse memory the earlier ones freed; a station loa
 `--fresh N` also times N loads of each kind alternated, each the first load of a new process (after the imports and
 the kernels' probe, which a station pays once whatever its checkpoint): safetensors_fresh_s, gguf_fresh_s,
 safetensors_station_fresh_s and their ratio gguf_over_safetensors_fresh.
+
+`--repack-shape ROWSxK` instead times the Q4_1 repack alone on one random weight of that shape, pushed out of the
+caches before each of 5 runs (a large model's weights are read from memory once): GB/s of GGUF blocks, the best run.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from mesh.control.cli import resolve_model
 from mesh.core.compute import on_compute_thread
@@ -44,6 +48,7 @@ from mesh.core.model.gguf_file import GGUFCheckpoint
 from mesh.core.model.gguf_header import clear_header_cache
 from mesh.core.model.kernels import resolve_linear_backend, use_linear_backend
 from mesh.core.model.loader import load_range
+from mesh.core.model.quant_linear import BLOCK_WEIGHTS, QuantRows, repack, repacked_bytes
 
 
 def _seconds(fn) -> float:
@@ -97,6 +102,20 @@ def _fresh_loads(n: int, gguf: Path, hf_dir: Path, layers: str) -> dict[str, flo
     return med
 
 
+def repack_speed(shape: str) -> dict[str, float]:
+    """The Q4_1 repack's GB/s on one random [rows, K] weight read from memory (best of 5)."""
+    rows, k = (int(x) for x in shape.split("x"))
+    raw = np.random.default_rng(0).integers(0, 255, (rows, k // BLOCK_WEIGHTS * 20), dtype=np.uint8)
+    weight = QuantRows("w", Q.Q4_1, raw, k)
+    out = torch.zeros(repacked_bytes([weight]), dtype=torch.uint8)
+    flush, best = np.ones(64 << 20, np.uint8), float("inf")
+    for _ in range(5):
+        flush += 1  # 64 MiB written: the weight leaves the caches
+        best = min(best, _seconds(lambda: repack([weight], out)))
+    return {"repack_shape": shape, "repack_mb": round(raw.nbytes / 1e6, 1), "repack_ms": round(best * 1e3, 2),
+            "repack_gb_s": round(raw.nbytes / best / 1e9, 2)}
+
+
 def main() -> None:
     """Time the loads of one layer range and print one JSON line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -104,9 +123,13 @@ def main() -> None:
     p.add_argument("--layers", default="0-15", help="A-B: the station's layer range [A, B)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--fresh", type=int, default=0, help="also N loads of each kind, each in a new process")
+    p.add_argument("--repack-shape", help="ROWSxK: time only the Q4_1 repack of one such weight")
     p.add_argument("--one-fresh", choices=FRESH_KINDS, help=argparse.SUPPRESS)  # the child of --fresh
     p.add_argument("--hf-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.repack_shape:
+        print(json.dumps(repack_speed(args.repack_shape)))
+        return
     if args.one_fresh:
         _one_fresh_load(args.one_fresh, Path(args.model), Path(args.hf_dir), args.layers)
         return
