@@ -245,7 +245,7 @@ void paged_attention_f32(const float *q, const float *k, const float *v, int64_t
         }
         if (p + 1 > max_keys) max_keys = p + 1;
     }
-#pragma omp parallel num_threads(team(T * H * max_keys / 512, threads))  /* per thread: >= 8 x 512 keys */
+#pragma omp parallel num_threads(team(T * H * max_keys / 64, threads))  /* per thread: >= 8 x 64 keys */
     {
         float *score = thread_scratch(1, max_keys);
         /* a task: one row's query heads of one KV head where the wave has few rows (decode: each row its own
