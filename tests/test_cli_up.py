@@ -167,19 +167,34 @@ def _station_pids(url: str, env) -> list[int]:
     return [s["pid"] for s in json.loads(_mesh("status", "--url", url, "--json", env=env).stdout)["stations"]]
 
 
+def _refused_while_draining(url: str, within_s: float = 30.0) -> int:
+    """The status code a new request gets once `mesh up` has taken its stop signal (polled: one that arrives before
+    the signal is served, and the next one tried; a server already gone fails the test)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            _post(url + "/v1/completions", {"prompt": "late", "max_tokens": 4}, timeout=30)
+        except urllib.error.HTTPError as refused:
+            return refused.code
+        time.sleep(0.1)
+    pytest.fail(f"new requests were still served {within_s} s after SIGTERM")
+
+
 def test_sigterm_drains_then_stops_every_station(tmp_path, env, tiny_llama):
-    """SIGTERM: new requests get 503 while an admitted one runs to its end; then every actor stops."""
-    proc, url = _mesh_up(tmp_path, env, tiny_llama, "cluster: {shutdown_timeout_s: 120}\n")
+    """SIGTERM: new requests get 503 while the admitted ones (running and queued) run to their end; then every
+    actor stops."""
+    # one sequence at a time, so the queued requests keep the drain going however fast the machine decodes
+    proc, url = _mesh_up(tmp_path, env, tiny_llama, "cluster: {shutdown_timeout_s: 120}\nscheduler: {max_seqs: 1}\n")
     try:
         station_pids = _station_pids(url, env)
-        worker, long = _long_request_in_background(url, 900)
+        requests = [_long_request_in_background(url, 900) for _ in range(4)]
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            _post(url + "/v1/completions", {"prompt": "late", "max_tokens": 4}, timeout=30)
-        assert refused.value.code == 503
-        out = _finished_then_exited(proc, worker, long, 900)
+        assert _refused_while_draining(url) == 503
+        for worker, reply in requests[1:]:
+            worker.join(timeout=300)
+            assert reply["choices"][0]["finish_reason"] == "length" and reply["usage"]["completion_tokens"] == 900
+        out = _finished_then_exited(proc, *requests[0], 900)
     finally:
         if proc.poll() is None:
             proc.kill()
