@@ -46,10 +46,12 @@ def _long_request_in_background(url: str, max_tokens: int) -> tuple[threading.Th
     return worker, reply
 
 
-def _finished_then_exited(proc: subprocess.Popen, worker: threading.Thread, reply: dict, max_tokens: int) -> str:
-    """The background completion ran to its full length, then `mesh up` exited: its output."""
-    worker.join(timeout=300)
-    assert reply["choices"][0]["finish_reason"] == "length" and reply["usage"]["completion_tokens"] == max_tokens
+def _finished_then_exited(proc: subprocess.Popen, requests: list[tuple[threading.Thread, dict]],
+                          max_tokens: int) -> str:
+    """Every background completion ran to its full length, then `mesh up` exited: its output."""
+    for worker, reply in requests:
+        worker.join(timeout=300)
+        assert reply["choices"][0]["finish_reason"] == "length" and reply["usage"]["completion_tokens"] == max_tokens
     return proc.communicate(timeout=120)[0]
 
 
@@ -191,10 +193,7 @@ def test_sigterm_drains_then_stops_every_station(tmp_path, env, tiny_llama):
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
         assert _refused_while_draining(url) == 503
-        for worker, reply in requests[1:]:
-            worker.join(timeout=300)
-            assert reply["choices"][0]["finish_reason"] == "length" and reply["usage"]["completion_tokens"] == 900
-        out = _finished_then_exited(proc, *requests[0], 900)
+        out = _finished_then_exited(proc, requests, 900)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -212,7 +211,7 @@ def test_ctrl_c_drains_then_exits_0_without_a_traceback(tmp_path, env, tiny_llam
         worker, long = _long_request_in_background(url, 300)
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
-        out = _finished_then_exited(proc, worker, long, 300)
+        out = _finished_then_exited(proc, [(worker, long)], 300)
     finally:
         if proc.poll() is None:
             proc.kill()
