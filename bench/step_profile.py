@@ -19,7 +19,7 @@ from mesh.core.model.fused import TIMED_PARTS
 from mesh.core.model.llama import Linear
 from mesh.core.wave import WaveEntry
 from station.native_attention import NativeWaveAttention
-from station.step import WaveAttention
+from station.wave_attention import WaveAttention
 
 CATEGORIES = ("linears", "attention", "sampling")
 

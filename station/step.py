@@ -4,16 +4,15 @@ A wave is K entries (seq_id, start_pos, n_tokens), prompt chunks and decode
 tokens together, T rows in all. Every linear layer runs once over all T rows
 (one weight read per wave); attention runs per sequence against its own KV:
 decode rows (n == 1) batched by key length, prompt chunks one by one. A row's
-result never depends on the rest of its wave (see WaveAttention, mesh.core.model.kernels).
+result never depends on the rest of its wave (station/wave_attention.py, mesh.core.model.kernels).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from mesh.core.compute import on_compute_thread
 from mesh.core.config import ModelConfig, StationSpec
@@ -25,6 +24,7 @@ from mesh.core.wave import KVUsage, StationOutput, WaveEntry, wave_rows
 from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats, StepError
 from station.kv_copy import export_rows, import_rows
 from station.native_attention import NativeWaveAttention
+from station.wave_attention import WaveAttention
 
 
 PROBE_SEQ_ID = 2**64  # one past the wire's largest seq_id (uint64): no client sequence can be the probe
@@ -40,85 +40,6 @@ class StationStats:
     prefill_seconds: float
     decode_seconds: float
     kv: KVStats
-
-
-class WaveAttention:
-    """AttentionContext for one wave: writes each layer's new K/V, then attends per sequence.
-
-    Every row's attention is computed the same way whatever else is in the wave, so its
-    bits never depend on its company: a prompt chunk attends alone over exactly its
-    sequence's keys; decode rows are batched only with rows whose sequences span the
-    same number of KV blocks (the same padded key length), through batched matmuls
-    against each gathered block (never copied into one contiguous run of keys), one
-    softmax over all the keys and a sum over blocks, whose per-row results do not change
-    with the batch or the thread count (torch's fused CPU kernel for a single query row
-    changes both, and is slower here).
-    """
-
-    def __init__(self, kv: KVPool, first_layer: int, entries: tuple[WaveEntry, ...], device: torch.device,
-                 window: int | None) -> None:
-        self.kv, self.first_layer = kv, first_layer
-        bt, row = kv.block_tokens, 0
-        blocks, offsets = [], []  # KV slot of every row: block index, offset in the block
-        by_blocks: dict[int, list[tuple[int, list[int], int]]] = {}  # block count -> (row, table, length)
-        self.chunks = []  # (rows slice, block table [nb], mask [n, S]) for n > 1
-        for e in entries:  # plain ints here, one tensor per field below: a wave's set-up stays cheap at any K
-            table = kv.table(e.seq_id)
-            positions = range(e.start_pos, e.end_pos)
-            blocks.extend(table[p // bt] for p in positions)
-            offsets.extend(p % bt for p in positions)
-            nb = -(-e.end_pos // bt)
-            if e.n_tokens == 1:
-                by_blocks.setdefault(nb, []).append((row, table[:nb], e.end_pos))
-            else:
-                q_pos = torch.arange(e.start_pos, e.end_pos)[:, None]  # [n, 1]
-                k_pos = torch.arange(e.end_pos)[None, :]  # [1, S]
-                mask = _visible(k_pos, q_pos, window)  # [n, S]
-                self.chunks.append((slice(row, row + e.n_tokens), torch.tensor(table[:nb], device=device),
-                                    mask.to(device)))
-            row += e.n_tokens
-        self.blocks = torch.tensor(blocks, device=device)  # [T]
-        self.offsets = torch.tensor(offsets, device=device)  # [T]
-        self.decode_groups = []  # (rows [B], block tables [B, nb], hidden key positions [B, 1, 1, S])
-        for nb, group in by_blocks.items():
-            lens = torch.tensor([length for _, _, length in group])[:, None]  # [B, 1]
-            k_pos = torch.arange(nb * bt)[None, :]  # [1, S]
-            mask = (k_pos < lens) & _visible(k_pos, lens - 1, window)  # [B, S]
-            self.decode_groups.append((torch.tensor([r for r, _, _ in group], device=device),
-                                       torch.tensor([t for _, t, _ in group], device=device),
-                                       ~mask[:, None, None, :].to(device)))
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; stores k/v first."""
-        local = layer - self.first_layer
-        self.kv.write(local, self.blocks, self.offsets, k, v)
-        out = torch.empty_like(q)  # [T, H, D]
-        for rows, tables, hidden in self.decode_groups:
-            keys, values = self.kv.gather(local, tables)  # [B, nb, KVH, blk, D] each
-            b, nb, kvh, blk, d = keys.shape  # the matmuls' shapes depend on nb, never on B
-            qd = q.index_select(0, rows).view(b, 1, kvh, -1, d)  # [B, 1, KVH, G, D]: query heads by KV head
-            scores = torch.matmul(qd, keys.transpose(-1, -2))  # [B, nb, KVH, G, blk]
-            scores = scores.permute(0, 2, 3, 1, 4).reshape(b, kvh, -1, nb * blk) * d**-0.5  # [B, KVH, G, S]
-            probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)  # [B, KVH, G, S]
-            probs = probs.view(b, kvh, -1, nb, blk).permute(0, 3, 1, 2, 4)  # [B, nb, KVH, G, blk]
-            out.index_copy_(0, rows, torch.matmul(probs, values).sum(1).view(b, -1, d))  # [B, H, D]
-        for rows, table, mask in self.chunks:
-            blocks = self.kv.gather(local, table[None])  # [1, nb, KVH, blk, D] each
-            keys, values = (t[0].transpose(0, 1).flatten(1, 2) for t in blocks)  # [KVH, S', D]
-            s = mask.shape[1]
-            qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            oc = F.scaled_dot_product_attention(qc, keys[None, :, :s], values[None, :, :s], attn_mask=mask,
-                                                enable_gqa=True)
-            out[rows] = oc[0].transpose(0, 1)  # [n, H, D]
-        return out
-
-
-def _visible(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Causal (and sliding-window) visibility of key positions from query positions."""
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask &= k_pos > q_pos - window
-    return mask
 
 
 class Station:
@@ -160,13 +81,45 @@ class Station:
         return self.model.is_last
 
     def forward(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None, want_logits: bool = False) -> StationOutput:
+                hidden: torch.Tensor | None = None, want_logits: bool = False, steps: int = 1) -> StationOutput:
         """Advance every entry of the wave by its rows; raises StepError on a malformed wave, KVBudgetError when full.
 
         The first station takes token_ids [T], later ones hidden [T, d]. The last station samples one token
-        for each entry with `sample` set (and returns those rows' logits when `want_logits`).
+        for each entry with `sample` set (and returns those rows' logits when `want_logits`). `steps` > 1
+        (a station holding every layer, 1-token entries that all sample) runs that many decode steps, each
+        feeding back the tokens the last drew; samples are then step-major, steps x entries.
         """
+        if steps > 1:
+            return on_compute_thread(self._forward_steps, entries, token_ids, hidden, steps)
         return on_compute_thread(self._forward, entries, token_ids, hidden, want_logits)
+
+    def _forward_steps(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor | None,
+                       hidden: torch.Tensor | None, steps: int) -> StationOutput:
+        if not (self.is_first and self.is_last):
+            raise StepError(f"steps: {steps} decode steps need a station holding every layer; this one holds "
+                            f"[{self.spec.start}, {self.spec.end})")
+        bt = self.kv.block_tokens
+        for i, e in enumerate(entries):
+            if not isinstance(e, WaveEntry) or e.n_tokens != 1 or e.sample is None:
+                raise StepError(f"entries[{i}]: several decode steps take 1-token entries that sample")
+            if e.blocks and len(e.blocks) != -(-(e.start_pos + steps) // bt):
+                raise StepError(f"entries[{i}].blocks: {len(e.blocks)} block ids for {steps} steps from "
+                                f"position {e.start_pos} (needs {-(-(e.start_pos + steps) // bt)})")
+        held = {e.seq_id: self.kv.length(e.seq_id) for e in entries}
+        samples, seconds = [], 0.0
+        try:
+            for k in range(steps):
+                step = tuple(replace(e, start_pos=e.start_pos + k, blocks=e.blocks[:-(-(e.start_pos + k + 1) // bt)])
+                             for e in entries)
+                out = self._forward(step, token_ids, hidden, False)
+                samples.extend(out.samples)
+                seconds += out.seconds
+                token_ids = torch.tensor([t.token_id for t in out.samples], dtype=torch.long)  # [K]
+        except BaseException:
+            for seq_id, length in held.items():  # all or nothing: the caller sees one failed wave
+                self.kv.truncate(seq_id, length)
+            raise
+        return StationOutput(None, samples, seconds)
 
     def _forward(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor | None, hidden: torch.Tensor | None,
                  want_logits: bool) -> StationOutput:
