@@ -256,11 +256,14 @@ class Engine(RouteSwitching):
 
     def _fill(self) -> None:
         depth = self.pipeline.depth + self.config.extra_waves
+        # several decode steps per call: one wave at a time on one station that runs them, no route switch under way
+        steps = (self.config.decode_steps if depth == 1 and self._catchup is None
+                 and getattr(self.pipeline.links[0], "runs_steps", False) else 1)
         while self._in_flight < depth and not self.route.paused:
             cap = None
             if depth > 1:
                 cap = max(1, math.ceil(min(self.scheduler.live(), self.config.max_seqs) / depth))
-            plan = self.scheduler.plan(max_entries=cap)
+            plan = self.scheduler.plan(max_entries=cap, max_steps=steps)
             self._release(self.scheduler.take_releases())
             if plan is None:
                 return
@@ -293,8 +296,8 @@ class Engine(RouteSwitching):
         self._release(result.released)
         now = time.monotonic()
         if sent is not None:
-            if len(plan.token_ids) == len(plan.entries):  # a decode-only wave: the pace a catch-up must keep
-                self._wave_seconds.append(now - sent)
+            if len(plan.token_ids) == len(plan.entries):  # a decode-only wave: the pace a catch-up must keep, per step
+                self._wave_seconds.append((now - sent) / plan.steps)
             if self._catchup is not None:
                 self._catchup.old_wave(now - sent)
         if self.on_wave is not None and sent is not None:

@@ -48,10 +48,11 @@ class StationLink(Protocol):
 
     address: str  # where the station serves ("host:port", or "in-process")
     copies_kv: bool  # the station can export and import KV (ExportKV / ImportKV)
+    # optional `runs_steps`: True where forward() takes `steps` (several decode steps in one call); absent = False
 
     def forward(self, wave_id: int, entries: tuple[WaveEntry, ...], token_ids: list[int] | None,
                 hidden: torch.Tensor | None) -> StationOutput:
-        """Run one wave through the station."""
+        """Run one wave through the station (links with `runs_steps` also take `steps=`)."""
         ...
 
     def release(self, seq_ids: tuple[int, ...]) -> None:
@@ -92,15 +93,16 @@ class LocalLink:
     """A Station object in this process."""
 
     address = "in-process"
+    runs_steps = True  # several decode steps in one call (a station holding every layer)
 
     def __init__(self, station) -> None:
         self.station = station
         self._closed = False
 
-    def forward(self, wave_id, entries, token_ids, hidden) -> StationOutput:
-        """Run the wave on the in-process station."""
+    def forward(self, wave_id, entries, token_ids, hidden, steps: int = 1) -> StationOutput:
+        """Run the wave (`steps` decode steps) on the in-process station."""
         ids = torch.tensor(token_ids, dtype=torch.long) if token_ids is not None else None  # [T]
-        return self.station.forward(entries, token_ids=ids, hidden=hidden)
+        return self.station.forward(entries, token_ids=ids, hidden=hidden, steps=steps)
 
     def release(self, seq_ids) -> None:
         """Free KV on the in-process station."""
@@ -257,9 +259,10 @@ class Pipeline:
 
     def _run_wave(self, i: int, plan: WavePlan, hidden: torch.Tensor | None) -> None:
         t0 = time.perf_counter()
+        steps = {"steps": plan.steps} if plan.steps > 1 else {}  # only to links that run steps (the engine's check)
         try:
             out = self.links[i].forward(plan.wave_id, plan.entries, list(plan.token_ids) if i == 0 else None,
-                                        hidden)
+                                        hidden, **steps)
         except BaseException as e:  # noqa: BLE001 - reported to the engine, which ends the wave
             self.on_done(plan, None, e)
             return

@@ -22,6 +22,7 @@ class RemoteLink:
     """A station behind gRPC (typically a Ray actor)."""
 
     copies_kv = True  # ExportKV / ImportKV
+    runs_steps = True  # several decode steps in one Forward (a station holding every layer)
 
     def __init__(self, address: str, timeout_s: float = 30.0, max_message_bytes: int = 512 * 2**20, *,
                  token: str | None = None, tls: StationTls | None = None) -> None:
@@ -33,9 +34,11 @@ class RemoteLink:
         self.address = address
         self._info = info
 
-    def forward(self, wave_id, entries, token_ids, hidden) -> StationOutput:
-        """Run the wave on the remote station; raises StationDown when the station failed the call."""
-        return self._wave(lambda: self.client.forward(wave_id, entries, token_ids=token_ids, hidden=hidden))
+    def forward(self, wave_id, entries, token_ids, hidden, steps: int = 1) -> StationOutput:
+        """Run the wave (`steps` decode steps) on the remote station; raises StationDown when the station failed
+        the call."""
+        return self._wave(lambda: self.client.forward(wave_id, entries, token_ids=token_ids, hidden=hidden,
+                                                      steps=steps))
 
     def relay(self, wave_id, entries, token_ids, successors: Sequence[RemoteLink]) -> RelayReply:
         """Run the wave here and have this station send its rows on through `successors` (direct transfer);

@@ -112,8 +112,9 @@ class Scheduler:
         self._refusals[reason] += 1
         raise AdmissionError(reason, status, message, param)
 
-    def plan(self, max_entries: int | None = None) -> WavePlan | None:
-        """Build the next wave from sequences not in flight (None when nothing can be scheduled)."""
+    def plan(self, max_entries: int | None = None, max_steps: int = 1) -> WavePlan | None:
+        """Build the next wave from sequences not in flight (None when nothing can be scheduled); a wave of
+        decodes only, with nothing else to schedule, may run up to `max_steps` decode steps in one call."""
         lanes = self.config.max_seqs + len(self._probes)
         cap = lanes if max_entries is None else max_entries
         if cap < 1:
@@ -129,7 +130,8 @@ class Scheduler:
         self._prefix_hits += wave.prefix_hits
         if not wave.entries:
             return None
-        plan = WavePlan(tuple(wave.entries), tuple(wave.tokens), self._next_wave_id, tuple(wave.admitted))
+        steps = wave.decode_steps(max_steps, self.limits.max_context, len(self._waiting))
+        plan = WavePlan(tuple(wave.entries), tuple(wave.tokens), self._next_wave_id, tuple(wave.admitted), steps)
         self._next_wave_id += 1
         for entry in wave.entries:
             self._seqs[entry.seq_id].in_flight_wave = plan.wave_id
@@ -215,8 +217,9 @@ class Scheduler:
         record = self._in_flight.get(plan.wave_id)
         if record is None or record[0] != plan:
             raise ValueError(f"wave {plan.wave_id} is not in flight")
-        if len(samples) != len(plan.entries):
-            raise ValueError(f"wave {plan.wave_id}: {len(samples)} samples for {len(plan.entries)} entries")
+        if len(samples) != len(plan.entries) * plan.steps:
+            raise ValueError(f"wave {plan.wave_id}: {len(samples)} samples for {len(plan.entries)} entries x "
+                             f"{plan.steps} steps")
         for entry, sample in zip(plan.entries, samples):
             if entry.sample is not None and sample is None and self._seqs[entry.seq_id].finish_reason is None:
                 raise ValueError(f"wave {plan.wave_id}: seq {entry.seq_id} asked for a token and got none")
@@ -225,7 +228,8 @@ class Scheduler:
         events: list[TokenEvent] = []
         finished: list[int] = []
         released: list[int] = []
-        for entry, sample in zip(plan.entries, samples):
+        going: list[tuple[int, Sequence]] = []  # (entry index, sequence) still decoding after step 0
+        for i, (entry, sample) in enumerate(zip(plan.entries, samples)):
             seq = self._seqs[entry.seq_id]
             seq.in_flight_wave = None
             filled = names.get(seq.seq_id, [])
@@ -237,19 +241,37 @@ class Scheduler:
             seq.num_computed = entry.end_pos
             seq.history.append(entry.n_tokens)
             self._ledger.name_blocks(seq, filled)
-            if entry.sample is None:
-                continue
-            seq.output_ids.append(sample.token_id)
-            reason = self._stop_reason(seq, sample.token_id)
-            events.append(TokenEvent(seq.seq_id, seq.request_id, sample.token_id, sample.logprob,
-                                     tuple(sample.top_logprobs), reason))
-            if reason is not None:
-                self._end(seq, reason)
-                self._drop(seq)
-                finished.append(seq.seq_id)
-                released.append(seq.seq_id)
-        self._count_wave(plan, decode_rows=record[1])
+            if entry.sample is not None and not self._take(seq, sample, events, finished, released):
+                going.append((i, seq))
+        later = 0  # tokens the later steps added
+        for step in range(1, plan.steps):  # later decode steps: each sequence until its stop
+            going = [(i, seq) for i, seq in going if seq.status is not SequenceStatus.FINISHED]
+            later += len(going)
+            for i, seq in going:
+                seq.num_computed += 1
+                seq.history.append(1)
+                self._take(seq, samples[step * len(plan.entries) + i], events, finished, released)
+        if plan.steps > 1 and self._ledger.prefix_cache:  # blocks the later steps filled, named now they are known
+            for _, seq in going:
+                if seq.status is not SequenceStatus.FINISHED:
+                    self._ledger.name_blocks(seq, self._ledger.names_filled(seq, seq.num_computed))
+        self._count_wave(plan, decode_rows=record[1] + later)
         return CommitResult(tuple(events), tuple(finished), tuple(released))
+
+    def _take(self, seq: Sequence, sample: SampledToken, events: list[TokenEvent], finished: list[int],
+              released: list[int]) -> bool:
+        """Append a sampled token to `seq` and its event; True when it ended the sequence (dropped, released)."""
+        seq.output_ids.append(sample.token_id)
+        reason = self._stop_reason(seq, sample.token_id)
+        events.append(TokenEvent(seq.seq_id, seq.request_id, sample.token_id, sample.logprob,
+                                 tuple(sample.top_logprobs), reason))
+        if reason is None:
+            return False
+        self._end(seq, reason)
+        self._drop(seq)
+        finished.append(seq.seq_id)
+        released.append(seq.seq_id)
+        return True
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.params

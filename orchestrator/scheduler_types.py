@@ -46,6 +46,7 @@ class WavePlan:
     token_ids: tuple[int, ...]
     wave_id: int
     admitted: tuple[tuple[int, int], ...] = ()  # (seq id, prompt tokens found in the prefix cache) of each admission
+    steps: int = 1  # decode steps the station runs (> 1: every entry a sampled decode; its blocks cover them all)
 
 
 @dataclass(frozen=True, slots=True)

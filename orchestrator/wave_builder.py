@@ -8,6 +8,7 @@ needs KV when no block is free preempts newer sequences through the scheduler's 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from mesh.core.wave import WaveEntry
 from orchestrator.kv_ledger import NO_HIT, KVBlockLedger, PrefixHit
@@ -94,6 +95,28 @@ class WaveBuilder:
             self._ledger.reserve(seq, seq.num_computed + n)
             self.admitted.append((seq.seq_id, seq.cached_tokens))
             self._put(seq, n)
+
+    def decode_steps(self, max_steps: int, max_context: int, queued: int) -> int:
+        """Step 4: decode steps the station may run for this wave in one call: 1 unless the wave is all sampled
+        decodes of every running sequence, none replaying, and nothing is `queued`; then up to `max_steps`,
+        within each sequence's max_tokens and the context, and within the free KV (never preempting). Reserves
+        the blocks and widens each entry's table to cover every step."""
+        seqs = [self._seqs[e.seq_id] for e in self.entries]
+        if (max_steps < 2 or queued or self.admitted or len(seqs) != len(self._seqs.running)
+                or any(e.n_tokens != 1 or e.sample is None for e in self.entries) or any(s.replay for s in seqs)):
+            return 1
+        steps = min([max_steps] + [min(s.params.max_tokens - len(s.output_ids), max_context - s.num_tokens)
+                                   for s in seqs])
+        ledger = self._ledger
+        while steps > 1 and sum(max(0, ledger.blocks_for(s.num_computed + steps) - len(s.table))
+                                for s in seqs) > ledger.free:
+            steps -= 1
+        if steps > 1:
+            for s in seqs:
+                ledger.reserve(s, s.num_computed + steps)
+            self.entries = [replace(e, blocks=tuple(s.table[:ledger.blocks_for(e.start_pos + steps)]))
+                            for e, s in zip(self.entries, seqs)]
+        return max(steps, 1)
 
     def _prefix_hit(self, seq: Sequence) -> PrefixHit:
         """The cached blocks a fresh sequence can start on (none for one that replays its entries)."""

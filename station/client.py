@@ -100,16 +100,17 @@ class StationClient:
             raise StationCallError(method, grpc.StatusCode.CANCELLED, str(err)) from None
 
     def forward(self, wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequence[int] | torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None) -> StationOutput:
-        """Run one wave on the station: token ids [T] to the first station, hidden [T, d] to the others."""
-        return self.relay(wave_id, entries, token_ids, hidden).output
+                hidden: torch.Tensor | None = None, steps: int = 1) -> StationOutput:
+        """Run one wave on the station: token ids [T] to the first station, hidden [T, d] to the others;
+        `steps` decode steps on a station holding every layer (samples step-major, steps x entries)."""
+        return self.relay(wave_id, entries, token_ids, hidden, steps=steps).output
 
     def relay(self, wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequence[int] | torch.Tensor | None = None,
-              hidden: torch.Tensor | None = None, relay_to: Sequence[str] = ()) -> RelayReply:
+              hidden: torch.Tensor | None = None, relay_to: Sequence[str] = (), steps: int = 1) -> RelayReply:
         """Run one wave on the station, which sends its output on to the stations `relay_to` itself (direct
         transfer); returns the output that came back (the last station's samples), one RelayHop per station of
         `relay_to` (their KV and timings; none without relay_to) and the station's own time in the call."""
-        request = encode_forward(wave_id, entries, token_ids, hidden, relay_to)
+        request = encode_forward(wave_id, entries, token_ids, hidden, relay_to, steps)
         reply = self._call("Forward", self._stub.Forward, request)
         with self._kv_lock:
             self.forward_bytes[0] += request.ByteSize()
@@ -122,7 +123,7 @@ class StationClient:
             out = proto_to_tensor(reply.hidden, expect_shape=(rows, self.hidden_size), field="hidden")  # [T, d]
             output = StationOutput(out, None, reply.forward_seconds)
         elif result == "samples":
-            samples = proto_to_samples(reply.samples, n_entries=len(entries), vocab_size=self.vocab_size)
+            samples = proto_to_samples(reply.samples, n_entries=len(entries) * steps, vocab_size=self.vocab_size)
             output = StationOutput(None, samples, reply.forward_seconds)
         else:
             raise WireError("result: the reply carries neither hidden rows nor samples")

@@ -39,7 +39,7 @@ from mesh.core.config import DTYPE_BYTES, ConfigError, is_int
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
 from mesh.core.transport import StationTls, host_port
-from mesh.core.wire import WireError, decode_forward, decode_relay, samples_to_proto, tensor_to_proto
+from mesh.core.wire import WireError, decode_forward, decode_relay, decode_steps, samples_to_proto, tensor_to_proto
 from mesh.core.wire_kv import MAX_COPY_BYTES, decode_export, decode_import
 from station.interceptors import SERVICE_NAME, StrictDecode, TokenAuth
 from station.kv import KVBudgetError
@@ -154,10 +154,10 @@ class StationServicer(station_pb2_grpc.StationServicer):
             _, entries, token_ids, hidden = decode_forward(
                 request, hidden_size=st.config.hidden_size, dtype=st.spec.dtype, vocab_size=st.config.vocab_size,
                 max_entries=self.limits.max_entries, max_rows=self.limits.max_rows)
-            relay_to = decode_relay(request)
+            relay_to, steps = decode_relay(request), decode_steps(request)
             if relay_to and (self.successors is None or st.spec.end >= st.config.num_hidden_layers):
                 raise WireError("relay_to: this station cannot relay (it holds the last layer, or serves no relays)")
-            out, kv = self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, hidden=hidden),
+            out, kv = self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps),
                                                kv_usage_proto(st)))
             if relay_to:  # outside the station lock: the next wave computes while the successors run this one
                 return self.successors.relay(request, relay_to, out, kv, context.time_remaining(), self._count_wire)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -280,14 +281,21 @@ def test_100_streams_10_disconnect_and_metrics_agree(url, engine):
     assert after[("wavemesh_num_requests_running", ())] == 0 and after[("wavemesh_kv_cache_usage_perc", ())] == 0
 
 
-def test_non_streaming_client_that_leaves_cancels(url, engine):
+def test_non_streaming_client_that_leaves_cancels(url, engine, monkeypatch):
+    """The station holds its waves until the request is cancelled, so it cannot finish first however fast."""
     cancelled = engine.stats().finished.get("cancelled", 0)
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-        httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 900, "ignore_eos": True},
-                   timeout=httpx.Timeout(T, read=0.3))
-    deadline = time.monotonic() + 30
-    while engine.stats().finished.get("cancelled", 0) == cancelled and time.monotonic() < deadline:
-        time.sleep(0.02)
+    station, gate = engine.pipeline.links[0].station, threading.Event()
+    real = station.forward
+    monkeypatch.setattr(station, "forward", lambda *a, **k: (gate.wait(30), real(*a, **k))[1])
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 900, "ignore_eos": True},
+                       timeout=httpx.Timeout(T, read=0.3))
+        deadline = time.monotonic() + 30
+        while engine.stats().finished.get("cancelled", 0) == cancelled and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        gate.set()
     assert engine.stats().finished.get("cancelled", 0) == cancelled + 1
     _idle(engine)
     _ok(url)

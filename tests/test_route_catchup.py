@@ -195,9 +195,9 @@ class _Failing(LocalLink):
         if self.armed.is_set():
             raise StationDown("station lost (test)")
 
-    def forward(self, wave_id, entries, token_ids, hidden):
+    def forward(self, wave_id, entries, token_ids, hidden, steps=1):
         self._check()
-        return super().forward(wave_id, entries, token_ids, hidden)
+        return super().forward(wave_id, entries, token_ids, hidden, steps)
 
     def export_kv(self, entries, layer_start, layer_end):
         self._check()

@@ -273,6 +273,7 @@ class StationSpec:
                  f"layers: end {self.end} exceeds the model's {model.num_hidden_layers} layers")
 
 
+MAX_DECODE_STEPS = 64  # decode steps one station call may run (scheduler.decode_steps, Forward's `steps`)
 HIDDEN_PATHS = ("direct", "hub")  # how hidden rows go from station to station (orchestrator/relay.py)
 ROUTE_SWITCHES = ("catchup", "pause")  # how a live route moves onto new stations (orchestrator/catchup.py)
 CATCHUP_SOURCES = ("copy", "recompute")  # where a catch-up gets the new route's KV (orchestrator/kv_move.py)
@@ -289,6 +290,7 @@ class SchedulerConfig:
     short_prompt_tokens: int = 64  # a prompt this long or shorter counts as short
     max_skips: int = 8  # a request passed over this many times is admitted next, short or not
     extra_waves: int = 0  # waves in flight beyond one per station: hides call latency, in smaller groups
+    decode_steps: int = 4  # decode steps per call on a one-station route while only decodes run (tokens come in bursts)
     prefix_cache: bool = True  # reuse committed KV blocks of shared prompt prefixes (where the stations make it exact)
     hidden_path: str = "direct"  # "direct": station to station (gRPC stations); "hub": through the orchestrator
     route_switch: str = "catchup"  # "catchup": build the new route's KV while the old one decodes; "pause": stop and re-prefill
@@ -305,6 +307,8 @@ class SchedulerConfig:
         _require(isinstance(self.prefix_cache, bool), f"scheduler.prefix_cache must be true or false, got {self.prefix_cache!r}")
         _require(is_int(self.extra_waves) and self.extra_waves >= 0,
                  f"scheduler.extra_waves must be an integer >= 0, got {self.extra_waves!r}")
+        _require(is_int(self.decode_steps) and 1 <= self.decode_steps <= MAX_DECODE_STEPS,
+                 f"scheduler.decode_steps must be an integer in [1, {MAX_DECODE_STEPS}], got {self.decode_steps!r}")
         _require(self.hidden_path in HIDDEN_PATHS,
                  f"scheduler.hidden_path must be one of {list(HIDDEN_PATHS)}, got {self.hidden_path!r}")
         _require(isinstance(self.catchup_slowdown, (int, float)) and not isinstance(self.catchup_slowdown, bool)

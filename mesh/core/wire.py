@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from mesh.core.config import MAX_DECODE_STEPS
 from mesh.core.params import ParamError, SamplingParams
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.torch_dtypes import WIRE_DTYPES
@@ -240,13 +241,17 @@ def proto_to_samples(msg: pb.Samples, *, n_entries: int | None = None,
 
 
 def encode_forward(wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequence[int] | None,
-                   hidden: torch.Tensor | None, relay_to: Sequence[str] = ()) -> pb.ForwardRequest:
+                   hidden: torch.Tensor | None, relay_to: Sequence[str] = (), steps: int = 1) -> pb.ForwardRequest:
     """Build a ForwardRequest: token ids for the first station, hidden rows for the others; `relay_to`:
-    the stations after this one, to which the station sends its output itself (direct transfer)."""
+    the stations after this one, to which the station sends its output itself (direct transfer); `steps`:
+    decode steps the (only) station runs in this call."""
     if (token_ids is None) == (hidden is None):
         raise WireError("payload: give exactly one of token_ids or hidden")
+    if not 1 <= steps <= MAX_DECODE_STEPS:
+        raise WireError(f"steps: {steps} is outside [1, {MAX_DECODE_STEPS}]")
     rows = sum(e.n_tokens for e in entries)
-    req = pb.ForwardRequest(wave_id=wave_id, entries=entries_to_proto(entries), relay_to=list(relay_to))
+    req = pb.ForwardRequest(wave_id=wave_id, entries=entries_to_proto(entries), relay_to=list(relay_to),
+                            steps=steps if steps > 1 else 0)
     if token_ids is not None:
         ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
         if len(ids) != rows:
@@ -306,6 +311,17 @@ def decode_forward(
 
 MAX_RELAY_HOPS = 64  # stations after the first in one relayed wave
 MAX_ADDRESS_CHARS = 255
+
+
+def decode_steps(msg: pb.ForwardRequest) -> int:
+    """The decode steps a ForwardRequest asks for (0 on the wire = 1), checked: at most MAX_DECODE_STEPS,
+    and several only without relay_to (one station runs them all)."""
+    steps = msg.steps or 1
+    if steps > MAX_DECODE_STEPS:
+        raise WireError(f"steps: {steps} exceeds {MAX_DECODE_STEPS}")
+    if steps > 1 and msg.relay_to:
+        raise WireError("steps: several decode steps need one station holding every layer, not a relay chain")
+    return steps
 
 
 def decode_relay(msg: pb.ForwardRequest) -> tuple[str, ...]:
