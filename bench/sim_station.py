@@ -17,7 +17,7 @@ import math
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -79,8 +79,17 @@ class SimulatedStation:
         self._seconds = 0.0
         self._lock = threading.Lock()
 
-    def forward(self, entries: tuple[WaveEntry, ...], token_ids=None, hidden=None) -> StationOutput:
-        """Check positions, sleep the modelled step, return rows (or, at the last station, one id per entry)."""
+    def forward(self, entries: tuple[WaveEntry, ...], token_ids=None, hidden=None, steps: int = 1) -> StationOutput:
+        """Check positions, sleep the modelled step, return rows (or, at the last station, one id per entry);
+        `steps` decode steps (a station holding every layer) one after another, samples step-major."""
+        if steps == 1:
+            return self._step(entries)
+        if self.spec.start != 0 or self.spec.end < self.sim.num_layers:
+            raise StepError(f"steps: {steps} decode steps need a station holding every layer")
+        outs = [self._step(tuple(replace(e, start_pos=e.start_pos + k) for e in entries)) for k in range(steps)]
+        return StationOutput(None, [t for out in outs for t in out.samples], sum(out.seconds for out in outs))
+
+    def _step(self, entries: tuple[WaveEntry, ...]) -> StationOutput:
         rows = wave_rows(entries)
         for e in entries:
             held = self._lengths.get(e.seq_id, 0)

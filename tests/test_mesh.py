@@ -25,10 +25,11 @@ def _reference(model_dir, prompts, params):
     return [generate_one(st, p, sp)[0] for p, sp in zip(prompts, params)]
 
 
-def _cluster(model_dir, ranges, hidden_path="direct"):
+def _cluster(model_dir, ranges, hidden_path="direct", decode_steps=4):
     cfg = MeshConfig(model=ModelSource(path=str(model_dir)),
                      stations=tuple(StationSpec(layers=r) for r in ranges),
-                     scheduler=SchedulerConfig(max_seqs=16, max_wave_tokens=64, hidden_path=hidden_path))
+                     scheduler=SchedulerConfig(max_seqs=16, max_wave_tokens=64, hidden_path=hidden_path,
+                                               decode_steps=decode_steps))
     cluster = Cluster(cfg, model_dir, progress=lambda msg: None)
     cluster.start()
     return cluster
@@ -58,9 +59,11 @@ def test_stations_over_grpc_match_in_process(local_ray, tiny_llama, ranges):
 def test_scale_while_serving_keeps_every_token(local_ray, tiny_llama, hidden_path):
     """1 -> 3 -> 1 -> 2 stations while 8 requests stream: every token equals the never-changed reference, with
     hidden rows station to station (direct) or through the orchestrator (hub)."""
-    prompts, params = _jobs(8, max_tokens=600)
+    prompts, params = _jobs(8, max_tokens=960)  # the most the context (1024) holds: each switch while they stream
     reference = _reference(tiny_llama, prompts, params)
-    cluster = _cluster(tiny_llama, ((0, 6),), hidden_path)
+    # one decode step per call, so the one-station phases go no faster than the switches need (several steps per
+    # call through route switches: tests/test_route_catchup.py's 1 -> 2 -> 3 -> 1)
+    cluster = _cluster(tiny_llama, ((0, 6),), hidden_path, decode_steps=1)
     try:
         first = list(cluster._actors.values())
         # every plan's stations are loaded beside the route before the requests start, so each switch
