@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mesh.core.config import DTYPE_BYTES, ModelConfig, StationSpec
-from mesh.core.model.host_memory import zero_pages
+from mesh.core.model.host_memory import populate_in_background, zero_pages
 from mesh.core.model.loader import TORCH_DTYPES
 
 DEFAULT_BLOCK_TOKENS = 16
@@ -45,7 +45,7 @@ class KVStats:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
-    """Zeros; on CPU as pages the OS maps on first use (nothing written at start: host_memory.zero_pages)."""
+    """Zeros; on CPU as pages the OS maps zeroed (nothing written at start: host_memory.zero_pages)."""
     if torch.device(device).type == "cpu":
         return zero_pages(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
@@ -71,6 +71,8 @@ class KVPool:
         shape = (self.layers, self.num_blocks + 1, cfg.num_key_value_heads, block_tokens, cfg.head_dim)
         self.k = _zeros(shape, TORCH_DTYPES[spec.dtype], spec.device)
         self.v = _zeros(shape, TORCH_DTYPES[spec.dtype], spec.device)
+        self.populating = (populate_in_background((self.k, self.v), "kv-populate") if self.k.device.type == "cpu"
+                           else None)  # the budget's pages faulted in beside the first waves, not inside them
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low indices first (may hold stale ids)
         self._refs = [0] * self.num_blocks  # sequences holding each block (a shared prefix block: several)
         self._used = 0  # blocks some sequence holds

@@ -1,7 +1,8 @@
-"""Fresh host memory: the weight arena carves disjoint aligned tensors, and a CPU station's KV budget reads as zeros
-without being written at start."""
+"""Fresh host memory: the weight arena carves disjoint aligned tensors, and a CPU station's KV budget reads as zeros,
+is not written at start and is faulted in from a background thread."""
 from __future__ import annotations
 
+import resource
 import sys
 
 import pytest
@@ -32,14 +33,22 @@ def _resident_bytes() -> int:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/statm")
-def test_a_cpu_kv_budget_reads_zeros_and_is_not_written_at_start(tiny_llama):
+def test_a_cpu_kv_budget_reads_zeros_is_not_written_at_start_and_comes_in_beside_the_waves(tiny_llama):
+    """The pool's constructor writes nothing (a 256 MiB budget is not resident when it returns: zero pages the OS
+    maps); a daemon thread then faults the whole budget in, and it still reads as zeros and takes writes."""
     cfg = ModelConfig.from_dir(tiny_llama)
-    before = _resident_bytes()
-    pool = KVPool(cfg, StationSpec(layers=(0, cfg.num_hidden_layers), kv_bytes=1 << 30))
-    grown = _resident_bytes() - before
-    assert pool.k.numel() * pool.k.element_size() >= 1 << 29  # half the budget each for K and V
-    assert grown < 64 << 20, f"a 1 GiB KV budget made {grown >> 20} MiB resident at start"
-    assert not pool.k[:, :2].any() and not pool.v[:, -2:].any()  # reads as zeros
+    before, faults = _resident_bytes(), resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    pool = KVPool(cfg, StationSpec(layers=(0, cfg.num_hidden_layers), kv_bytes=256 << 20))
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults  # this thread's, not the populate's
+    budget = pool.k.numel() * pool.k.element_size() + pool.v.numel() * pool.v.element_size()
+    assert budget >= 255 << 20
+    assert faults < budget // 4096 // 20, f"the constructor faulted {faults} pages of a {budget >> 20} MiB budget"
+    assert pool.populating is not None and pool.populating.daemon
+    pool.populating.join(60)
+    assert not pool.populating.is_alive()
+    populated = _resident_bytes() - before
+    assert populated >= budget * 0.95, f"{populated >> 20} of {budget >> 20} MiB resident after the populate thread"
+    assert not pool.k.any() and not pool.v.any()  # reads as zeros
     pool.k[0, 0] = 1.5
     assert pool.k[0, 0].eq(1.5).all() and not pool.k[0, 1].any()
 
