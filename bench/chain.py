@@ -101,18 +101,23 @@ class MeteredLink:
     def reset(self) -> None:
         """Zero the counters (between timed runs)."""
         self.calls, self.call_s, self.compute_s, self.release_s = 0, 0.0, 0.0, 0.0
-        self.sent: list[tuple] = []  # (wave_id, entries, token_ids, hidden, output) of remote calls
+        self.sent: list[tuple] = []  # (wave_id, entries, token_ids, hidden, output, steps) of remote calls
         self.released: list[tuple[int, ...]] = []
 
-    def forward(self, wave_id, entries, token_ids, hidden):
-        """Run the wave on the wrapped link, timing it."""
+    @property
+    def runs_steps(self) -> bool:
+        """Several decode steps per call where the wrapped link runs them (scheduler.decode_steps)."""
+        return getattr(self.inner, "runs_steps", False)
+
+    def forward(self, wave_id, entries, token_ids, hidden, steps=1):
+        """Run the wave (`steps` decode steps) on the wrapped link, timing it."""
         t0 = time.perf_counter()
-        out = self.inner.forward(wave_id, entries, token_ids, hidden)
+        out = self.inner.forward(wave_id, entries, token_ids, hidden, **({"steps": steps} if steps > 1 else {}))
         self.call_s += time.perf_counter() - t0
         self.calls += 1
         self.compute_s += out.seconds
         if self.remote:
-            self.sent.append((wave_id, entries, token_ids, hidden, out))
+            self.sent.append((wave_id, entries, token_ids, hidden, out, steps))
         return out
 
     def relay(self, wave_id, entries, token_ids, successors):
@@ -128,7 +133,7 @@ class MeteredLink:
             link.call_s += hop.call_seconds
             link.compute_s += hop.forward_seconds
         if self.remote:  # only token ids went out and samples came back through the orchestrator
-            self.sent.append((wave_id, entries, token_ids, None, reply.output))
+            self.sent.append((wave_id, entries, token_ids, None, reply.output, 1))
         return reply
 
     def release(self, seq_ids) -> None:
@@ -158,8 +163,8 @@ class MeteredLink:
     def wire_bytes(self) -> dict[str, int]:
         """Protobuf bytes of what this link sent and received (0 in-process); call after the timed run."""
         req = rep = hid = rel = 0
-        for wave_id, entries, ids, hidden, out in self.sent:
-            req += encode_forward(wave_id, entries, ids, hidden).ByteSize()
+        for wave_id, entries, ids, hidden, out, steps in self.sent:
+            req += encode_forward(wave_id, entries, ids, hidden, steps=steps).ByteSize()
             hid += 0 if hidden is None else hidden.numel() * hidden.element_size()
             if out.hidden is not None:
                 rep += pb.ForwardReply(hidden=tensor_to_proto(out.hidden), forward_seconds=out.seconds).ByteSize()
