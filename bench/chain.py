@@ -104,13 +104,9 @@ class MeteredLink:
         self.sent: list[tuple] = []  # (wave_id, entries, token_ids, hidden, output, steps) of remote calls
         self.released: list[tuple[int, ...]] = []
 
-    @property
-    def runs_steps(self) -> bool:
-        """Several decode steps per call where the wrapped link runs them (scheduler.decode_steps)."""
-        return getattr(self.inner, "runs_steps", False)
-
     def forward(self, wave_id, entries, token_ids, hidden, steps=1):
-        """Run the wave (`steps` decode steps) on the wrapped link, timing it."""
+        """Run the wave (`steps` decode steps: the wrapped links, LocalLink and RemoteLink, take them) on the
+        wrapped link, timing it."""
         t0 = time.perf_counter()
         out = self.inner.forward(wave_id, entries, token_ids, hidden, **({"steps": steps} if steps > 1 else {}))
         self.call_s += time.perf_counter() - t0

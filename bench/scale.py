@@ -72,10 +72,11 @@ class TimedLink(RemoteLink):
         super().__init__(*args, **kw)
         self.hop_seconds: list[float] = []
 
-    def forward(self, wave_id, entries, token_ids, hidden):
-        """Run the wave (hub path) and note the call's transfer cost."""
+    def forward(self, wave_id, entries, token_ids, hidden, steps=1):
+        """Run the wave (hub path; `steps` decode steps on a lone station) and note the call's transfer cost."""
         t0 = time.perf_counter()
-        reply = self._wave(lambda: self.client.relay(wave_id, entries, token_ids=token_ids, hidden=hidden))
+        reply = self._wave(lambda: self.client.relay(wave_id, entries, token_ids=token_ids, hidden=hidden,
+                                                      steps=steps))
         self.hop_seconds.append(time.perf_counter() - t0 - reply.served_seconds)
         return reply.output
 
@@ -121,7 +122,11 @@ def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k:
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
         cpu0, t0 = time.process_time(), time.perf_counter()
         streams = [engine.submit(p, params) for p in prompts]
-        outs = [s.result(timeout=900)[0].token_ids for s in streams]
+        results = [s.result(timeout=900)[0] for s in streams]
+        errors = [r.error for r in results if r.error]
+        if errors:  # a failed request must not count as served tokens
+            raise RuntimeError(f"{len(errors)} of {len(results)} requests failed: {errors[0]}")
+        outs = [r.token_ids for r in results]
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         waves = engine.stats().waves
         pipeline = engine.pipeline

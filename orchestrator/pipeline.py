@@ -10,6 +10,8 @@ goes on. The last station's samples (or any failure) go to the `on_done` callbac
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import queue
 import threading
@@ -48,11 +50,11 @@ class StationLink(Protocol):
 
     address: str  # where the station serves ("host:port", or "in-process")
     copies_kv: bool  # the station can export and import KV (ExportKV / ImportKV)
-    # optional `runs_steps`: True where forward() takes `steps` (several decode steps in one call); absent = False
 
     def forward(self, wave_id: int, entries: tuple[WaveEntry, ...], token_ids: list[int] | None,
                 hidden: torch.Tensor | None) -> StationOutput:
-        """Run one wave through the station (links with `runs_steps` also take `steps=`)."""
+        """Run one wave through the station (a link whose forward also takes `steps=` runs several decode steps in
+        one call where the engine asks: `runs_steps`)."""
         ...
 
     def release(self, seq_ids: tuple[int, ...]) -> None:
@@ -93,7 +95,6 @@ class LocalLink:
     """A Station object in this process."""
 
     address = "in-process"
-    runs_steps = True  # several decode steps in one call (a station holding every layer)
 
     def __init__(self, station) -> None:
         self.station = station
@@ -145,6 +146,20 @@ class LocalLink:
     def close(self) -> None:
         """Mark the link closed (the Station object itself belongs to whoever built it)."""
         self._closed = True
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_steps(cls: type) -> bool:
+    try:
+        return "steps" in inspect.signature(cls.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def runs_steps(link: StationLink) -> bool:
+    """True when the link's forward takes `steps` (several decode steps in one call), read from its class: a link
+    class that overrides forward without it keeps one step per call."""
+    return _forward_takes_steps(type(link))
 
 
 # ---- the workers' inbox messages -----------------------------------------------------------------
@@ -259,7 +274,7 @@ class Pipeline:
 
     def _run_wave(self, i: int, plan: WavePlan, hidden: torch.Tensor | None) -> None:
         t0 = time.perf_counter()
-        steps = {"steps": plan.steps} if plan.steps > 1 else {}  # only to links that run steps (the engine's check)
+        steps = {"steps": plan.steps} if plan.steps > 1 else {}  # only to links that take it (runs_steps)
         try:
             out = self.links[i].forward(plan.wave_id, plan.entries, list(plan.token_ids) if i == 0 else None,
                                         hidden, **steps)

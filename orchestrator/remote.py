@@ -22,7 +22,6 @@ class RemoteLink:
     """A station behind gRPC (typically a Ray actor)."""
 
     copies_kv = True  # ExportKV / ImportKV
-    runs_steps = True  # several decode steps in one Forward (a station holding every layer)
 
     def __init__(self, address: str, timeout_s: float = 30.0, max_message_bytes: int = 512 * 2**20, *,
                  token: str | None = None, tls: StationTls | None = None) -> None:

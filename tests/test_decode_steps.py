@@ -230,3 +230,27 @@ def test_scheduler_steps_only_when_nothing_else_waits_and_within_limits(kv_block
     if steps == 4:
         plan = sched.plan(max_steps=8)  # seq 2 alone, 4 blocks free: max_steps bounds it
         assert plan.steps == 8 and len(plan.entries[0].blocks) == -(-(plan.entries[0].start_pos + 8) // 4)
+
+
+def test_only_links_whose_forward_takes_steps_are_asked_for_several(tiny_llama):
+    """The engine reads the capability from the link's class: a subclass overriding forward without `steps`
+    keeps one step per call and serves every request; the stock links take them."""
+    from orchestrator.pipeline import runs_steps
+    from orchestrator.remote import RemoteLink
+
+    class OneStep(LocalLink):
+        def forward(self, wave_id, entries, token_ids, hidden):
+            return super().forward(wave_id, entries, token_ids, hidden)
+
+    assert runs_steps(LocalLink(None)) and runs_steps(RemoteLink.__new__(RemoteLink))
+    assert not runs_steps(OneStep(None))
+    prompts, params = _jobs(4)
+    want, _ = _serve(tiny_llama, 1, prompts, params)
+    engine = Engine([OneStep(Station(tiny_llama, WHOLE))], ModelConfig.from_dir(tiny_llama),
+                    SchedulerConfig(max_seqs=16, max_wave_tokens=512, decode_steps=8))
+    try:
+        outs = [s.result(timeout=120)[0] for s in [engine.submit(p, sp) for p, sp in zip(prompts, params)]]
+        # steps= passed to this forward would raise TypeError and end the requests with an error
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want] and not any(o.error for o in outs)
+    finally:
+        engine.close()
