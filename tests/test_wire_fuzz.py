@@ -46,6 +46,8 @@ class Mesh:
     def __init__(self, model_dir: Path) -> None:
         self.stations = {"first": Station(model_dir, StationSpec(layers=(0, 3))),
                          "last": Station(model_dir, StationSpec(layers=(3, 6)))}
+        for st in self.stations.values():  # the KV budgets resident before any memory bound below is measured
+            st.kv.populating.join(60)
         self.servers = {k: start_server(s, limits=LIMITS) for k, s in self.stations.items()}
         opts = [("grpc.max_send_message_length", 64 * 2**20), ("grpc.max_receive_message_length", 64 * 2**20)]
         self.channels = {k: grpc.insecure_channel(s.address, options=opts) for k, s in self.servers.items()}
