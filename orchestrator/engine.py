@@ -298,8 +298,8 @@ class Engine(RouteSwitching):
         if sent is not None:
             if len(plan.token_ids) == len(plan.entries):  # a decode-only wave: the pace a catch-up must keep, per step
                 self._wave_seconds.append((now - sent) / plan.steps)
-            if self._catchup is not None:
-                self._catchup.old_wave(now - sent)
+            if self._catchup is not None:  # per step: a several-step wave sent before the catch-up began is no slowdown
+                self._catchup.old_wave((now - sent) / plan.steps)
         if self.on_wave is not None and sent is not None:
             rows = len(plan.token_ids)
             self.on_wave(rows, rows / self.config.max_wave_tokens, now - sent)
