@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from mesh.core.config import ModelConfig, SchedulerConfig, StationSpec
@@ -196,7 +197,6 @@ def test_a_failing_step_rolls_every_sequence_back(tiny_llama, monkeypatch):
 
 
 def _ids(tokens):
-    import torch
     return torch.tensor(tokens, dtype=torch.long)
 
 
