@@ -97,8 +97,9 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
 /* All T rows of x over one weight block, in register tiles of 6 rows (3-6 rows: CVECS vectors of columns at a
  * time; the last one or two rows: the whole width). Weights streamed from memory (not from L1) are requested ahead
  * by the row count (measured on a model's worth of weights: `mesh bench linear_stream`, bench/out/linear_stream.txt):
- * one or two rows alone (a decode step) read the tile in one sequential pass, which the hardware prefetcher follows
- * best unhelped; 3-40 rows request the whole next block in memory order, spread over every pass of every row tile
+ * one or two rows alone (a decode step) read the tile in one sequential pass, requested 16 k (4 KiB) ahead (on a
+ * Zen 5 VM 10-15% faster than the hardware prefetcher alone, best at 8-32 k ahead; one block, 64 k, ahead gained
+ * nothing; bench/out/linear_stream.txt); 3-40 rows request the whole next block in memory order, spread over every pass of every row tile
  * (the passes stride across the block, which defeats the hardware prefetcher: 3-6 rows ~30% faster, 8-40 rows
  * 7-26% faster than requesting each pass's columns one block ahead); more rows 16 k ahead (a block computes long
  * enough for the hardware prefetcher, and further ahead the rows' x push the block out of L1 before its use). */
@@ -121,7 +122,8 @@ INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const float 
  * tile a register and a branch in its k loop: 20-35% slower, measured). kb is 64 where it matters (one block). */
 INLINE void all_rows_over_block(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int streamed,
                                 float *acc) {
-    if (!streamed || T <= 2) rows_requesting(x, ldx, T, w, kb, 0, 0, acc);
+    if (!streamed) rows_requesting(x, ldx, T, w, kb, 0, 0, acc);
+    else if (T <= 2) rows_requesting(x, ldx, T, w, kb, 16, 0, acc);
     else if (T <= 40) rows_requesting(x, ldx, T, w, kb, 0, 1, acc);
     else rows_requesting(x, ldx, T, w, kb, 16, 0, acc);
 }
