@@ -1,10 +1,20 @@
-"""The native kernels' cache key covers every file the compiler reads, so an edited header builds afresh."""
+"""The native kernels' cache key covers every file the compiler reads, so an edited header builds afresh; and they
+are compiled once per machine, never per wave shape."""
 from __future__ import annotations
 
 import re
 import shutil
 
-from mesh.core.model.native import HEADERS, SOURCES, library_name
+import pytest
+import torch
+
+import mesh.core.model.native as native
+from mesh.core.config import StationSpec
+from mesh.core.model.kernels import resolve_linear_backend
+from mesh.core.model.native import HEADERS, SOURCES, kernel_dir, library_name
+from mesh.core.params import SamplingParams
+from mesh.core.wave import WaveEntry
+from station.step import Station
 
 
 def test_every_included_header_is_part_of_the_key():
@@ -23,3 +33,27 @@ def test_an_edited_header_names_another_library(tmp_path):
     assert library_name(files) != before
     header.write_text(text)
     assert library_name(files) == before  # the bytes alone name it: the edit undone, the same library
+
+
+@pytest.mark.skipif(resolve_linear_backend("auto", torch.device("cpu"), torch.float32) != "packed",
+                    reason="the packed native kernels do not run here")
+def test_waves_of_every_row_count_compile_nothing(tiny_llama, monkeypatch):
+    """A station serving waves of 1 to 64 rows (prompt chunks and decode rows mixed) builds no kernel and writes
+    no new library: the one compile per machine happens before serving, whatever the wave shapes."""
+    station = Station(tiny_llama, StationSpec(layers=(0, 6)))  # the library is built (or found) here
+    builds = []
+    monkeypatch.setattr(native, "build_library", lambda *a, **k: builds.append(a))
+    before = sorted(p.name for p in kernel_dir().iterdir())
+    greedy = SamplingParams(max_tokens=64, temperature=0.0)
+    held = {1: 0}
+    for rows in range(1, 65):  # seq 1 decodes a row each wave; seq rows+1 brings a prompt of rows - 1 ids
+        entries = (WaveEntry(1, held[1], 1, greedy),) + ((WaveEntry(rows + 1, 0, rows - 1, greedy),) if rows > 1 else ())
+        out = station.forward(entries, token_ids=torch.randint(0, station.config.vocab_size, (rows,)))
+        assert len(out.samples) == len(entries)
+        held[1] += 1
+        if rows > 1:
+            station.release([rows + 1])
+    station.release([1])
+    native.load_native.cache_clear()  # a fresh lookup still finds the library built before serving
+    assert native.load_native()[0] is not None
+    assert builds == [] and sorted(p.name for p in kernel_dir().iterdir()) == before
