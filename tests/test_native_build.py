@@ -47,7 +47,8 @@ def test_waves_of_every_row_count_compile_nothing(tiny_llama, monkeypatch):
     greedy = SamplingParams(max_tokens=64, temperature=0.0)
     held = {1: 0}
     for rows in range(1, 65):  # seq 1 decodes a row each wave; seq rows+1 brings a prompt of rows - 1 ids
-        entries = (WaveEntry(1, held[1], 1, greedy),) + ((WaveEntry(rows + 1, 0, rows - 1, greedy),) if rows > 1 else ())
+        prompt = (WaveEntry(rows + 1, 0, rows - 1, greedy),) if rows > 1 else ()
+        entries = (WaveEntry(1, held[1], 1, greedy),) + prompt
         out = station.forward(entries, token_ids=torch.randint(0, station.config.vocab_size, (rows,)))
         assert len(out.samples) == len(entries)
         held[1] += 1
