@@ -53,14 +53,25 @@ INLINE vec in_register(vec v) {
 #else
 #define CVECS 2
 #endif
+/* How a streamed weight is requested ahead, as measured per build: with AVX-512 (a Zen 5 VM, session 19) one or two
+ * rows request each pass's weights 16 k ahead and every request is non-temporal, so the glue between a station's
+ * native calls keeps its caches; with AVX2 (a Zen 3 VM, sessions 10-11) one or two rows leave it to the hardware
+ * prefetcher (3-8% faster there than requesting) and the next block goes into L2. */
+#if defined(__AVX512F__)
+#define FEW_ROWS_AHEAD (-16)
+#define NEXT_BLOCK_HINT _MM_HINT_NTA
+#else
+#define FEW_ROWS_AHEAD 0
+#define NEXT_BLOCK_HINT _MM_HINT_T1
+#endif
 
 /* tb (constant, <= TILE_T) rows of x (x[i * ldx + k]) over kb weights w [kb][64], continuing the sums in acc [tb][64],
  * the columns cv vectors at a time (cv constant, dividing VECS). Weights streamed from memory are requested ahead of
  * use: with prefetch > 0 (constant), each pass's columns that many k ahead (< 0: -prefetch k ahead, as non-temporal);
  * with `ahead` (constant), the next kb x 64 weights after w's, line by line in memory order, spread evenly over this
- * call's passes, as non-temporal (5-12% faster at 4-40 rows with AVX-512, 9-29% with AVX2, than each pass's columns
- * one block ahead, bench/out/linear_stream.txt; non-temporal rather than into L2, the glue between a station's native
- * calls keeps its caches: a 4-row decode wave 10% faster, a 16-row one 3%). */
+ * call's passes, with NEXT_BLOCK_HINT (5-12% faster at 4-40 rows with AVX-512, 9-29% with AVX2, than each pass's
+ * columns one block ahead, bench/out/linear_stream.txt; non-temporal rather than into L2 on the AVX-512 VM: a 4-row
+ * decode wave 10% faster in a station, a 16-row one 3%). */
 INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int cv, const float *w, int64_t kb,
                           const int prefetch, const int ahead, float *acc) {
     const int lines = TILE_N * (int)sizeof(float) / 64 * cv / VECS; /* cache lines of the next block per k of a pass */
@@ -87,7 +98,8 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
                 for (int j = 0; j < cv * LANES; j += 16)
                     _mm_prefetch((const char *)(wc + (k - prefetch) * TILE_N + j), _MM_HINT_NTA);
             if (ahead)
-                for (int l = 0; l < lines; l++) _mm_prefetch((const char *)(next + (k * lines + l) * 16), _MM_HINT_NTA);
+                for (int l = 0; l < lines; l++)
+                    _mm_prefetch((const char *)(next + (k * lines + l) * 16), NEXT_BLOCK_HINT);
             for (int i = 0; i < tb; i++) {
                 vec xb = vbroadcast(x + i * ldx + k);
                 for (int j = 0; j < cv; j++) a[i][j] = vfma(xb, wv[j], a[i][j]);
@@ -101,14 +113,13 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
 /* All T rows of x over one weight block, in register tiles of 6 rows (3-6 rows: CVECS vectors of columns at a time;
  * the last one or two rows: the whole width). Weights streamed from memory (not from L1) are requested ahead by the
  * row count (measured on a model's worth of weights: `mesh bench linear_stream`, bench/out/linear_stream.txt): one or
- * two rows alone (a decode step) read the tile in one sequential pass, requested 16 k (4 KiB) ahead (on a Zen 5 VM
- * 10-15% faster than the hardware prefetcher alone, best at 8-32 k ahead; one block, 64 k, ahead gained nothing;
- * bench/out/linear_stream.txt) and non-temporal: the step's glue between two native calls then finds its code and data
- * still in the caches (a decode step 4-6% faster than with the same requests into L1 and L2, its Python and torch glue
- * ~0.2 against ~0.6 ms); 3-40 rows request the whole next block in memory order, spread over every pass of every row
- * tile (the passes stride across the block, which defeats the hardware prefetcher: 3-6 rows ~30% faster, 8-40 rows
- * 7-26% faster than requesting each pass's columns one block ahead); more rows 16 k ahead (a block computes long
- * enough for the hardware prefetcher, and further ahead the rows' x push the block out of L1 before its use). */
+ * two rows alone (a decode step) read the tile in one sequential pass, FEW_ROWS_AHEAD (with AVX-512 16 k ahead, 10-15%
+ * faster on a Zen 5 VM than the hardware prefetcher alone, best at 8-32 k; as non-temporal a station's decode step
+ * 4-6% faster again, its glue keeping its caches); 3-40 rows request the whole next block in memory order, spread over
+ * every pass of every row tile (the passes stride across the block, which defeats the hardware prefetcher: 3-6 rows
+ * ~30% faster, 8-40 rows 7-26% faster than requesting each pass's columns one block ahead); more rows 16 k ahead (a
+ * block computes long enough for the hardware prefetcher, and further ahead the rows' x push the block out of L1
+ * before its use). */
 INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int prefetch,
                             const int ahead, float *acc) {
     int64_t t = 0;
@@ -129,7 +140,7 @@ INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const float 
 INLINE void all_rows_over_block(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int streamed,
                                 float *acc) {
     if (!streamed) rows_requesting(x, ldx, T, w, kb, 0, 0, acc);
-    else if (T <= 2) rows_requesting(x, ldx, T, w, kb, -16, 0, acc);
+    else if (T <= 2) rows_requesting(x, ldx, T, w, kb, FEW_ROWS_AHEAD, 0, acc);
     else if (T <= 40) rows_requesting(x, ldx, T, w, kb, 0, 1, acc);
     else rows_requesting(x, ldx, T, w, kb, 16, 0, acc);
 }
