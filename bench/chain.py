@@ -255,9 +255,14 @@ def start_configs(args, model_dir: Path, cfg: ModelConfig, sched: SchedulerConfi
         cluster.start()
         links = [MeteredLink(link, remote=True) for link in cluster.engine.pipeline.links]
         cluster.engine.switch_route(links)  # same stations, now metered (on the configured hidden path)
+        placed = cluster.status()["stations"]
         desc = [{"layers": list(s.layers), "num_cpus": s.num_cpus, "torch_threads": st.get("torch_threads"),
-                 "cpu_affinity": st.get("cpu_affinity"), "where": "ray+grpc"}
-                for s, st in zip(specs, cluster.status()["stations"])]
+                 "cpu_affinity": st.get("cpu_affinity"), "cpu_pinned": st.get("cpu_pinned"), "where": "ray+grpc"}
+                for s, st in zip(specs, placed)]
+        for s, st in zip(specs, placed):
+            if s.num_cpus >= 1 and not st.get("cpu_pinned"):  # its cores held by a config started before it
+                log(f"WARNING: config {name}: station {list(s.layers)} runs unpinned ({st.get('cpu_pinning_note')}); "
+                    "its figures are not a core-quota measurement: run such configs in separate commands")
         up[name] = (cluster.engine, links, desc, cluster)
 
 
