@@ -3,14 +3,15 @@
     python bench/kernel_ab.py [--model smollm2|bench|DIR] [--base HEAD] [--batches 1,4,16] [--rounds 20] [--quick]
     mesh bench kernel_ab ...  (same arguments)
 
-Builds csrc/ twice, as committed at --base and as in the working tree (as bench/linear_stream.py does), loads one
-float32 station holding every layer, and times rounds of B sequences x 32 decode steps (a 1-token prompt first,
-untimed; one untimed round of each build first), switching the station between the two libraries every round,
-the order flipped each round (A B, B A, ...), so both builds meet the same machine. Unlike linear_stream, everything a decode step does runs: the fused layers,
-the head, attention, the Python and torch glue between native calls (which a build's memory traffic can slow by
-evicting it from the caches). Prints per batch the median ms per step of each build, the median of the paired
-ratios tree/base, how many pairs the tree won, and whether both builds drew the same greedy tokens (a kernel change
-must not move a bit). The last line printed is one JSON object with every sample.
+Builds csrc/ twice, as committed at --base and as in the working tree (bench/linear_stream.py's `build`), loads one
+float32 station holding every layer, and times rounds of B sequences x 32 decode steps (bench/step.py's `run_ours`:
+a 1-token prompt first, untimed; one untimed round of each build first), switching the station between the two
+libraries every round, the order flipped each round (A B, B A, ...), so both builds meet the same machine. Unlike
+linear_stream, everything a decode step does runs: the fused layers, the head, attention, the Python and torch glue
+between native calls (which a build's memory traffic can slow by evicting it from the caches). Prints per batch the
+median ms per step of each build, the median of the paired ratios tree/base, how many pairs the tree won, and
+whether both builds drew the same greedy tokens (a kernel change must not move a bit). The last line printed is one
+JSON object with every sample.
 """
 from __future__ import annotations
 
@@ -18,11 +19,9 @@ import argparse
 import contextlib
 import ctypes
 import json
-import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -31,29 +30,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # run as a script or loaded from its file
 import mesh.core.model.kernels as kernels  # noqa: E402
 import mesh.core.model.quant_linear as quant_linear  # noqa: E402
-from linear_stream import CSRC, checkout_csrc  # noqa: E402
+from linear_stream import CSRC, build, checkout_csrc  # noqa: E402
 from mesh.control.cli import resolve_model  # noqa: E402
 from mesh.core.compute import on_compute_thread  # noqa: E402
 from mesh.core.config import StationSpec  # noqa: E402
 from mesh.core.model.gguf_convert import SMOLLM2  # noqa: E402
-from mesh.core.model.native import SIGNATURES, build_library  # noqa: E402
-from mesh.core.params import SamplingParams  # noqa: E402
-from mesh.core.wave import WaveEntry  # noqa: E402
 from station.step import Station  # noqa: E402
+from step import prompts, run_ours  # noqa: E402
 
-GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
 PRESETS = {"smollm2": SMOLLM2, "bench": "bench"}
 STEPS = 32
-
-
-def load_build(src: Path, out: Path) -> ctypes.CDLL:
-    """Compile every .c in src as the station does and load it with the station's argument types."""
-    build_library(shutil.which("cc") or "gcc", out, tuple(sorted(src.glob("*.c"))))
-    lib = ctypes.CDLL(str(out))
-    for name, args in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
-    return lib
 
 
 @contextlib.contextmanager
@@ -69,18 +55,9 @@ def using(station: Station, lib: ctypes.CDLL):
 
 
 def decode_round(station: Station, batch: int) -> tuple[float, list[int]]:
-    """ms per step of `batch` sequences over STEPS decode steps, and sequence 0's tokens."""
-    seqs = range(batch)
-    out = station.forward(tuple(WaveEntry(s, 0, 1, GREEDY) for s in seqs), token_ids=torch.arange(5, 5 + batch))
-    last, tokens = [t.token_id for t in out.samples], []
-    t0 = time.perf_counter()
-    for pos in range(1, STEPS + 1):
-        out = station.forward(tuple(WaveEntry(s, pos, 1, GREEDY) for s in seqs), token_ids=torch.tensor(last))
-        last = [t.token_id for t in out.samples]
-        tokens.append(last[0])
-    ms = (time.perf_counter() - t0) / STEPS * 1e3
-    station.release(list(seqs))
-    return ms, tokens
+    """ms per step of `batch` sequences over STEPS decode steps (bench/step.py's loop), and sequence 0's tokens."""
+    (wall, _cpu), tokens = run_ours(station, prompts(batch, 1, station.config.vocab_size), STEPS + 1, "cpu")
+    return wall / STEPS * 1e3, tokens
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -97,8 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "base").mkdir()
-        libs = {"base": load_build(checkout_csrc(a.base, Path(tmp) / "base"), Path(tmp) / "base.so"),
-                "tree": load_build(ROOT / CSRC, Path(tmp) / "tree.so")}
+        libs = {"base": build(checkout_csrc(a.base, Path(tmp) / "base"), Path(tmp) / "base.so"),
+                "tree": build(ROOT / CSRC, Path(tmp) / "tree.so")}
         station = Station(model, StationSpec(layers=(0, layers)))
         if station.fused is None:
             raise SystemExit("kernel_ab: this station does not run the fused native kernels (no packed float32 path)")

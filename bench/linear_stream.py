@@ -37,12 +37,15 @@ BUSY_LOOP = ("import sys, time\nshare = float(sys.argv[1])\nwhile True:\n    end
              "    while time.perf_counter() < end:\n        pass\n    time.sleep(1e-3 * (1 - share))\n")
 
 
-def build(src: Path, out: Path) -> ctypes._CFuncPtr:
-    """Compile every .c in src as the station does (native.build_library) and return its packed_linear_f32."""
+def build(src: Path, out: Path) -> ctypes.CDLL:
+    """Compile every .c in src as the station does (native.build_library) and load it, every exported function
+    with the station's argument types (native.SIGNATURES)."""
     build_library(shutil.which("cc") or "gcc", out, tuple(sorted(src.glob("*.c"))))
-    fn = ctypes.CDLL(str(out)).packed_linear_f32
-    fn.argtypes, fn.restype = SIGNATURES["packed_linear_f32"], None
-    return fn
+    lib = ctypes.CDLL(str(out))
+    for name, args in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
 
 
 def checkout_csrc(rev: str, dest: Path) -> Path:
@@ -108,7 +111,8 @@ def run(args: argparse.Namespace) -> None:
             times, last = {name: [] for name in kernels}, {}
             for r in range(args.rounds):
                 for name in (kernels if r % 2 else reversed(kernels)):
-                    times[name].append(step(kernels[name], weights, xs, outs, rows, args.threads))
+                    times[name].append(step(kernels[name].packed_linear_f32, weights, xs, outs, rows,
+                                            args.threads))
                     last[name] = {n: out.clone() for n, out in outs.items()}
             base, tree = statistics.median(times["base"]), statistics.median(times["tree"])
             print(f"rows {rows:3d}: base {base * 1e3:7.1f} ms  tree {tree * 1e3:7.1f} ms  tree/base {tree / base:.2f}"

@@ -109,8 +109,8 @@ class Station:
         samples, seconds = [], 0.0
         try:
             for k in range(steps):
-                step = tuple(replace(e, start_pos=e.start_pos + k, blocks=e.blocks[:blocks_for(e.start_pos + k + 1, bt)])
-                             for e in entries)
+                step = tuple(replace(e, start_pos=e.start_pos + k,
+                                     blocks=e.blocks[:blocks_for(e.start_pos + k + 1, bt)]) for e in entries)
                 out = self._forward(step, token_ids, hidden, False)
                 samples.extend(out.samples)
                 seconds += out.seconds
