@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hidden rows station to station (the YAML default) or through the orchestrator")
     p.add_argument("--extra-waves", type=int, default=0,
                    help="waves in flight beyond one per station (SchedulerConfig.extra_waves), every config")
+    p.add_argument("--decode-steps", type=int, default=SchedulerConfig().decode_steps,
+                   help="scheduler.decode_steps: decode steps per wave call once only decodes run")
     p.add_argument("--repeats", type=int, help="repeats of every point, median (default 3)")
     p.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
     p.add_argument("--station-cpus", type=float, help="num_cpus of every station (default: cores // stations)")
@@ -116,11 +118,12 @@ class MeteredLink:
             self.sent.append((wave_id, entries, token_ids, hidden, out, steps))
         return out
 
-    def relay(self, wave_id, entries, token_ids, successors):
-        """Direct transfer (`scheduler.hidden_path: direct`): run the wave here and on through `successors` (metered
-        links too), each station's own seconds and call time taken from the relayed reports."""
+    def relay(self, wave_id, entries, token_ids, successors, steps=1):
+        """Direct transfer (`scheduler.hidden_path: direct`): run the wave (`steps` decode steps) here and on
+        through `successors` (metered links too), each station's own seconds and call time taken from the relayed
+        reports (summed over the steps)."""
         t0 = time.perf_counter()
-        reply = self.inner.relay(wave_id, entries, token_ids, [s.inner for s in successors])
+        reply = self.inner.relay(wave_id, entries, token_ids, [s.inner for s in successors], steps=steps)
         self.call_s += time.perf_counter() - t0
         self.calls += 1
         self.compute_s += reply.output.seconds
@@ -129,7 +132,7 @@ class MeteredLink:
             link.call_s += hop.call_seconds
             link.compute_s += hop.forward_seconds
         if self.remote:  # only token ids went out and samples came back through the orchestrator
-            self.sent.append((wave_id, entries, token_ids, None, reply.output, 1))
+            self.sent.append((wave_id, entries, token_ids, None, reply.output, steps))
         return reply
 
     def release(self, seq_ids) -> None:
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig.from_dir(model_dir)
     sched = SchedulerConfig(max_seqs=args.max_seqs, max_wave_tokens=max(512, args.max_seqs),
                             max_queue=max(256, *args.concurrency), extra_waves=args.extra_waves,
-                            hidden_path=args.hidden_path)
+                            hidden_path=args.hidden_path, decode_steps=args.decode_steps)
     log(f"model {model_dir} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {args.dtype}, cpu); "
         f"configs {args.configs}; K {args.concurrency}; prompt {args.prompt}, {args.tokens} tokens; "
         f"{args.repeats} repeats")

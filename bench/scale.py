@@ -112,11 +112,11 @@ def stop_stations(procs: list[subprocess.Popen]) -> None:
             proc.kill()
 
 
-def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k: int) -> dict:
+def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k: int, decode_steps: int = 4) -> dict:
     """K-per-wave requests through an engine over `addresses` on `path`; wall, CPU, bytes, hops, token ids."""
     links = [TimedLink(a, timeout_s=120, token=TOKEN) for a in addresses]
     sched = SchedulerConfig(max_seqs=len(prompts), max_wave_tokens=max(len(prompts), 64 * len(addresses)),
-                            max_queue=len(prompts), hidden_path=path)
+                            max_queue=len(prompts), hidden_path=path, decode_steps=decode_steps)
     engine = Engine(links, model, sched)
     try:
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
@@ -165,7 +165,7 @@ def simulated(args) -> list[dict]:
         try:
             prompts = [[1 + i % 1000] for i in range(args.k * p)]
             for path in (["hub"] if p == 1 else args.paths):
-                r = run_point(addresses, sim_model_config(sim), path, prompts, args.tokens, args.k)
+                r = run_point(addresses, sim_model_config(sim), path, prompts, args.tokens, args.k, args.decode_steps)
                 r.pop("tokens")
                 base = base or r["tok_s"]
                 r["x_p1"], r["target_x"], r["met"] = scaling_verdict(p, r["tok_s"], base)
@@ -192,7 +192,8 @@ def real(args) -> list[dict]:
         try:
             for k in args.real_k:
                 prompts = [[1] + [(97 * i + 13 * j) % (cfg.vocab_size - 3) + 3 for j in range(31)] for i in range(k)]
-                got = {path: run_point(addresses, cfg, path, prompts, args.tokens, k) for path in args.paths}
+                got = {path: run_point(addresses, cfg, path, prompts, args.tokens, k, args.decode_steps)
+                       for path in args.paths}
                 same = len({json.dumps(r.pop("tokens")) for r in got.values()}) == 1
                 for r in got.values():
                     r["tokens_identical"] = same
@@ -214,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=8192)
     p.add_argument("--num-layers", type=int, default=80)
     p.add_argument("--tokens", type=int, default=32, help="decode steps per request")
+    p.add_argument("--decode-steps", type=int, default=4,
+                   help="scheduler.decode_steps: decode steps per wave call once only decodes run")
     p.add_argument("--real-stations", type=ints, default=[2, 3])
     p.add_argument("--real-k", type=ints, default=[16, 32])
     p.add_argument("--skip-sim", action="store_true")

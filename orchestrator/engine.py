@@ -23,7 +23,7 @@ from typing import Callable
 
 from mesh.core.config import ModelConfig, SchedulerConfig
 from mesh.core.params import SamplingParams
-from orchestrator.pipeline import StationDown, StationLink, runs_steps
+from orchestrator.pipeline import StationDown, StationLink
 from orchestrator.relay import make_pipeline
 from orchestrator.route import RouteMachine, route_limits
 from orchestrator.route_switch import CatchUpFailed, RouteSwitching
@@ -256,9 +256,8 @@ class Engine(RouteSwitching):
 
     def _fill(self) -> None:
         depth = self.pipeline.depth + self.config.extra_waves
-        # several decode steps per call: one wave at a time on one station that runs them, no route switch under way
-        steps = (self.config.decode_steps if depth == 1 and self._catchup is None
-                 and runs_steps(self.pipeline.links[0]) else 1)
+        # several decode steps per call where the pipeline runs them, no route switch under way
+        steps = self.config.decode_steps if self._catchup is None and self.pipeline.runs_decode_steps(depth) else 1
         while self._in_flight < depth and not self.route.paused:
             cap = None
             if depth > 1:

@@ -229,6 +229,11 @@ class Pipeline:
         """How many waves can usefully be in flight (one per station)."""
         return len(self.links)
 
+    def runs_decode_steps(self, depth: int) -> bool:
+        """Several decode steps per wave call: only one wave at a time (`depth` 1) on a lone station whose link
+        runs them (it holds the station for every step)."""
+        return depth == 1 and len(self.links) == 1 and runs_steps(self.links[0])
+
     def submit(self, plan: WavePlan) -> None:
         """Send a WavePlan (entries + token ids) into station 0."""
         self._inboxes[0].put(RunWave(plan))

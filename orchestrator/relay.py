@@ -78,6 +78,11 @@ class RelayPipeline:
         """How many waves can usefully be in flight (one per station)."""
         return len(self.links)
 
+    def runs_decode_steps(self, depth: int) -> bool:
+        """Several decode steps per wave call, at any depth: the first station runs each step, relays it and
+        feeds the samples back, taking its lock per step, so the other waves in flight interleave."""
+        return True
+
     def submit(self, plan: WavePlan) -> None:
         """Send a WavePlan into the chain."""
         self._inbox.put(RunWave(plan))
@@ -132,7 +137,8 @@ class RelayPipeline:
     def _run_wave(self, plan: WavePlan) -> None:
         t0 = time.perf_counter()
         try:
-            reply = self.links[0].relay(plan.wave_id, plan.entries, list(plan.token_ids), self.links[1:])
+            reply = self.links[0].relay(plan.wave_id, plan.entries, list(plan.token_ids), self.links[1:],
+                                        steps=plan.steps)
             if reply.output.samples is None:
                 raise StationDown(f"station {self.links[-1].address}: a relayed wave came back without samples")
         except BaseException as e:  # noqa: BLE001 - reported to the engine, which ends or replays the wave

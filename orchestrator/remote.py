@@ -39,12 +39,13 @@ class RemoteLink:
         return self._wave(lambda: self.client.forward(wave_id, entries, token_ids=token_ids, hidden=hidden,
                                                       steps=steps))
 
-    def relay(self, wave_id, entries, token_ids, successors: Sequence[RemoteLink]) -> RelayReply:
-        """Run the wave here and have this station send its rows on through `successors` (direct transfer);
-        their KV reports update their links. StationDown when any station of the chain failed the call, or a
-        relayed report is malformed (the wave's effect is then unknown: replay)."""
+    def relay(self, wave_id, entries, token_ids, successors: Sequence[RemoteLink], steps: int = 1) -> RelayReply:
+        """Run the wave here and have this station send its rows on through `successors` (direct transfer;
+        `steps` decode steps, each relayed, the samples fed back here); their KV reports update their links.
+        StationDown when any station of the chain failed the call, or a relayed report is malformed (the wave's
+        effect is then unknown: replay)."""
         reply = self._wave(lambda: self.client.relay(wave_id, entries, token_ids=token_ids,
-                                                      relay_to=[s.address for s in successors]))
+                                                      relay_to=[s.address for s in successors], steps=steps))
         try:
             for link, hop in zip(successors, reply.hops):
                 link.client.note_kv(hop.kv)

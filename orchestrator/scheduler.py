@@ -130,7 +130,7 @@ class Scheduler:
         self._prefix_hits += wave.prefix_hits
         if not wave.entries:
             return None
-        steps = wave.decode_steps(max_steps, self.limits.max_context, len(self._waiting))
+        steps = wave.decode_steps(max_steps, self.limits.max_context, len(self._waiting), len(ready))
         plan = WavePlan(tuple(wave.entries), tuple(wave.tokens), self._next_wave_id, tuple(wave.admitted), steps)
         self._next_wave_id += 1
         for entry in wave.entries:

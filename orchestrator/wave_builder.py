@@ -96,13 +96,14 @@ class WaveBuilder:
             self.admitted.append((seq.seq_id, seq.cached_tokens))
             self._put(seq, n)
 
-    def decode_steps(self, max_steps: int, max_context: int, queued: int) -> int:
-        """Step 4: decode steps the station may run for this wave in one call: 1 unless the wave is all sampled
-        decodes of every running sequence, none replaying, and nothing is `queued`; then up to `max_steps`,
-        within each sequence's max_tokens and the context, and within the free KV (never preempting). Reserves
-        the blocks and widens each entry's table to cover every step."""
+    def decode_steps(self, max_steps: int, max_context: int, queued: int, ready: int) -> int:
+        """Step 4: decode steps the stations may run for this wave in one call: 1 unless the wave is all sampled
+        decodes, none replaying, nothing is `queued`, and it holds every one of the `ready` sequences (those
+        not in flight) or is full at its entry cap (the rest go in the other waves in flight); then up to
+        `max_steps`, within each sequence's max_tokens and the context, and within the free KV (never
+        preempting). Reserves the blocks and widens each entry's table to cover every step."""
         seqs = [self._seqs[e.seq_id] for e in self.entries]
-        if (max_steps < 2 or queued or self.admitted or len(seqs) != len(self._seqs.running)
+        if (max_steps < 2 or queued or self.admitted or (len(seqs) != ready and len(seqs) < self.cap)
                 or any(e.n_tokens != 1 or e.sample is None for e in self.entries) or any(s.replay for s in seqs)):
             return 1
         steps = min([max_steps] + [min(s.params.max_tokens - len(s.output_ids), max_context - s.num_tokens)

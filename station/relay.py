@@ -25,16 +25,19 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
+import torch
 
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
 from mesh.core.transport import StationTls, bearer_metadata
-from mesh.core.wave import StationOutput
-from mesh.core.wire import tensor_to_proto
+from mesh.core.wave import StationOutput, WaveEntry, decode_step_entries, decode_steps_problem
+from mesh.core.wire import WireError, entries_to_proto, proto_to_samples, tensor_to_proto
 from station.client import station_channel
+
+StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor], tuple[StationOutput, pb.KVUsage]]
 
 
 class RelayError(RuntimeError):
@@ -70,17 +73,17 @@ class Successors:
                 self._stubs.popitem(last=False)[1][0].close()
             return self._stubs[address][1]
 
-    def relay(self, request: pb.ForwardRequest, relay_to: tuple[str, ...], out: StationOutput, kv: pb.KVUsage,
-              time_left_s: float | None, count_wire: Callable[[str, int], None]) -> pb.ForwardReply:
-        """Send `out.hidden` for `request`'s wave to relay_to[0] (with the rest of the list) within `time_left_s`
-        (None: the caller set no deadline, use the default), and build this station's reply from the answer.
-        `count_wire(direction, bytes)` is told what went out to the successor and what came back."""
+    def relay(self, wave_id: int, entries: Sequence[pb.Entry], relay_to: tuple[str, ...], out: StationOutput,
+              kv: pb.KVUsage, time_left_s: float | None, count_wire: Callable[[str, int], None]) -> pb.ForwardReply:
+        """Send `out.hidden` for the wave's `entries` to relay_to[0] (with the rest of the list) within
+        `time_left_s` (None: the caller set no deadline, use the default), and build this station's reply from
+        the answer. `count_wire(direction, bytes)` is told what went out to the successor and what came back."""
         if out.hidden is None:
             raise RelayError(grpc.StatusCode.INVALID_ARGUMENT,
                              "relay_to: this station samples (it holds the last layer); there is nothing to relay")
         successor = relay_to[0]
-        onward = pb.ForwardRequest(wave_id=request.wave_id, entries=request.entries,
-                                   hidden=tensor_to_proto(out.hidden), relay_to=relay_to[1:])
+        onward = pb.ForwardRequest(wave_id=wave_id, entries=entries, hidden=tensor_to_proto(out.hidden),
+                                   relay_to=relay_to[1:])
         timeout = self._default_timeout_s if time_left_s is None else max(0.0, time_left_s)
         count_wire("out", onward.ByteSize())
         t0 = time.perf_counter()
@@ -101,6 +104,41 @@ class Successors:
             reply.hidden.CopyFrom(answer.hidden)
         else:
             raise RelayError(grpc.StatusCode.INTERNAL, f"relay to {successor}: the reply carries no result")
+        return reply
+
+    def relay_steps(self, wave_id: int, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, steps: int,
+                    relay_to: tuple[str, ...], run_step: StepRunner, time_left_s: Callable[[], float | None],
+                    count_wire: Callable[[str, int], None], *, block_tokens: int, vocab_size: int) -> pb.ForwardReply:
+        """`steps` decode steps of a wave at the first station of a chain: each step runs here (`run_step`:
+        this station's step and KV report, under its lock), goes through `relay_to` as a one-step wave, and
+        the samples that come back are the next step's token ids. The reply holds the samples step-major, one
+        RelayHop per relayed station (seconds summed over the steps, the last step's KV) and the steps' own
+        seconds. Any step that fails fails the call: the wave's effect is then unknown, as for one step."""
+        if (problem := decode_steps_problem(entries, steps, block_tokens)) is not None:
+            raise WireError(problem)
+        reply = pb.ForwardReply(forward_seconds=0.0)
+        hops: list[pb.RelayHop] = []
+        for k in range(steps):
+            step = decode_step_entries(entries, k, block_tokens)
+            out, kv = run_step(step, token_ids)
+            answer = self.relay(wave_id, entries_to_proto(step), relay_to, out, kv, time_left_s(), count_wire)
+            if not answer.HasField("samples"):
+                raise RelayError(grpc.StatusCode.INTERNAL, f"relay to {relay_to[0]}: step {k} came back without "
+                                 "samples (several decode steps need the chain to reach the last station)")
+            samples = proto_to_samples(answer.samples, n_entries=len(entries), vocab_size=vocab_size)
+            token_ids = torch.tensor([t.token_id for t in samples], dtype=torch.long)  # [K]
+            reply.samples.samples.extend(answer.samples.samples)
+            reply.forward_seconds += answer.forward_seconds
+            reply.kv.CopyFrom(answer.kv)
+            if not hops:
+                hops = list(answer.relayed)
+                continue
+            for total, hop in zip(hops, answer.relayed):
+                total.kv.CopyFrom(hop.kv)
+                total.forward_seconds += hop.forward_seconds
+                total.served_seconds += hop.served_seconds
+                total.call_seconds += hop.call_seconds
+        reply.relayed.extend(hops)
         return reply
 
     def close(self) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mesh.core.allocator import keep_large_blocks
@@ -39,6 +40,7 @@ from mesh.core.config import DTYPE_BYTES, ConfigError, is_int
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
 from mesh.core.transport import StationTls, host_port
+from mesh.core.wave import StationOutput, WaveEntry
 from mesh.core.wire import WireError, decode_forward, decode_relay, decode_steps, samples_to_proto, tensor_to_proto
 from mesh.core.wire_kv import MAX_COPY_BYTES, decode_export, decode_import
 from station.interceptors import SERVICE_NAME, StrictDecode, TokenAuth
@@ -101,6 +103,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
         self.metrics_address = metrics_address
         self._lock = threading.Lock()  # one station call at a time: the KV is not thread-safe
         self._pending = threading.BoundedSemaphore(limits.max_pending)
+        self._block_tokens = station.stats().kv.block_tokens  # how a several-step wave's block tables are cut
         self.wire_bytes = {"in": 0, "out": 0}  # Forward bytes, relays to the next station included (/metrics)
         self._wire_lock = threading.Lock()
 
@@ -157,10 +160,18 @@ class StationServicer(station_pb2_grpc.StationServicer):
             relay_to, steps = decode_relay(request), decode_steps(request)
             if relay_to and (self.successors is None or st.spec.end >= st.config.num_hidden_layers):
                 raise WireError("relay_to: this station cannot relay (it holds the last layer, or serves no relays)")
+            if relay_to and steps > 1:  # the first station of a chain runs each step and relays it
+                if token_ids is None:
+                    raise WireError("steps: several decode steps through a relay chain start at its first station "
+                                    "(token ids in)")
+                return self.successors.relay_steps(
+                    request.wave_id, entries, token_ids, steps, relay_to, self._one_step, context.time_remaining,
+                    self._count_wire, block_tokens=self._block_tokens, vocab_size=st.config.vocab_size)
             out, kv = self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps),
                                                kv_usage_proto(st)))
             if relay_to:  # outside the station lock: the next wave computes while the successors run this one
-                return self.successors.relay(request, relay_to, out, kv, context.time_remaining(), self._count_wire)
+                return self.successors.relay(request.wave_id, request.entries, relay_to, out, kv,
+                                             context.time_remaining(), self._count_wire)
             if out.hidden is not None:
                 return pb.ForwardReply(hidden=tensor_to_proto(out.hidden), forward_seconds=out.seconds, kv=kv)
             return pb.ForwardReply(samples=samples_to_proto(out.samples or []), forward_seconds=out.seconds, kv=kv)
@@ -170,6 +181,12 @@ class StationServicer(station_pb2_grpc.StationServicer):
         reply.served_seconds = time.perf_counter() - started
         self._count_wire("out", reply.ByteSize())
         return reply
+
+    def _one_step(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor) -> tuple[StationOutput, pb.KVUsage]:
+        """One step of a several-step relayed wave, under the station lock (released between steps, so other
+        waves compute while this one's rows travel)."""
+        st = self.station
+        return self._exclusive(lambda: (st.forward(entries, token_ids=token_ids), kv_usage_proto(st)))
 
     def _count_wire(self, direction: str, nbytes: int) -> None:
         with self._wire_lock:

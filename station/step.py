@@ -9,7 +9,7 @@ result never depends on the rest of its wave (station/wave_attention.py, mesh.co
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,8 +20,8 @@ from mesh.core.model.fused import fuse_layers
 from mesh.core.model.kernels import resolve_linear_backend, use_linear_backend
 from mesh.core.model.loader import TORCH_DTYPES, load_range
 from mesh.core.sampling import sample_tokens
-from mesh.core.wave import KVUsage, StationOutput, WaveEntry, wave_rows
-from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats, StepError, blocks_for
+from mesh.core.wave import KVUsage, StationOutput, WaveEntry, decode_step_entries, decode_steps_problem, wave_rows
+from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats, StepError
 from station.kv_copy import export_rows, import_rows
 from station.native_attention import NativeWaveAttention
 from station.wave_attention import WaveAttention
@@ -99,19 +99,13 @@ class Station:
             raise StepError(f"steps: {steps} decode steps need a station holding every layer; this one holds "
                             f"[{self.spec.start}, {self.spec.end})")
         bt = self.kv.block_tokens
-        for i, e in enumerate(entries):
-            if not isinstance(e, WaveEntry) or e.n_tokens != 1 or e.sample is None:
-                raise StepError(f"entries[{i}]: several decode steps take 1-token entries that sample")
-            if e.blocks and len(e.blocks) != blocks_for(e.start_pos + steps, bt):
-                raise StepError(f"entries[{i}].blocks: {len(e.blocks)} block ids for {steps} steps from "
-                                f"position {e.start_pos} (needs {blocks_for(e.start_pos + steps, bt)})")
+        if (problem := decode_steps_problem(entries, steps, bt)) is not None:
+            raise StepError(problem)
         held = {e.seq_id: self.kv.length(e.seq_id) for e in entries}
         samples, seconds = [], 0.0
         try:
             for k in range(steps):
-                step = tuple(replace(e, start_pos=e.start_pos + k,
-                                     blocks=e.blocks[:blocks_for(e.start_pos + k + 1, bt)]) for e in entries)
-                out = self._forward(step, token_ids, hidden, False)
+                out = self._forward(decode_step_entries(entries, k, bt), token_ids, hidden, False)
                 samples.extend(out.samples)
                 seconds += out.seconds
                 token_ids = torch.tensor([t.token_id for t in out.samples], dtype=torch.long)  # [K]

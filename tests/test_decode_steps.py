@@ -139,7 +139,7 @@ def _raw(address, request):
 
 
 def test_steps_are_refused_where_they_cannot_run(tiny_llama, full_server):
-    """Too many steps, steps with relay_to, a prompt chunk, a wrong table, a station without every layer: each
+    """Too many steps, steps relayed on from the last station, a prompt chunk, a wrong table, a station without every layer: each
     INVALID_ARGUMENT naming the problem, the station's KV as before, and it goes on serving."""
     server, client = full_server
     params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -153,7 +153,7 @@ def test_steps_are_refused_where_they_cannot_run(tiny_llama, full_server):
         assert "steps: 65 exceeds 64" in _raw(server.address, request).details()
         request.steps = 2
         request.relay_to.append("127.0.0.1:1")
-        assert "relay chain" in _raw(server.address, request).details()
+        assert "cannot relay (it holds the last layer" in _raw(server.address, request).details()
         chunk = encode_forward(1, (WaveEntry(41, pos, 2, params),), [token, token], None, steps=2)
         assert "1-token entries" in _raw(server.address, chunk).details()
         with pytest.raises(StationCallError) as err:  # a table for one step where two are asked

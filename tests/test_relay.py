@@ -59,15 +59,20 @@ def chains(tiny_llama):
             server.stop(0)
 
 
-def _run(model_dir, servers, hidden_path, prompts, params, tls=None):
+def _run(model_dir, servers, hidden_path, prompts, params, tls=None, decode_steps=4, waves=None):
+    """Every request at once through an engine over `servers`; (tokens, pipeline, Forward bytes per link).
+    `waves`, a list, gets the number of wave calls made."""
     links = [RemoteLink(s.address, timeout_s=30, token=TOKEN, tls=tls) for s in servers]
     engine = Engine(links, ModelConfig.from_dir(model_dir),
-                    SchedulerConfig(max_seqs=8, max_wave_tokens=64, hidden_path=hidden_path))
+                    SchedulerConfig(max_seqs=8, max_wave_tokens=64, hidden_path=hidden_path,
+                                    decode_steps=decode_steps))
     try:
         streams = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
         tokens = [s.result(timeout=120)[0].token_ids for s in streams]
         assert engine.quiesce(30) and engine.stats().kv_bytes_used == 0
         assert all(s.servicer.station.kv.stats().blocks_used == 0 for s in servers)
+        if waves is not None:
+            waves.append(engine.stats().waves)
         return tokens, engine.pipeline, [list(link.client.forward_bytes) for link in links]
     finally:
         engine.close()
@@ -91,6 +96,86 @@ def test_direct_equals_hub_and_one_station(tiny_llama, reference, chains, n):
     assert direct_bytes[0][1] < rows * hidden_row / 4 < sum(b[0] for b in hub_bytes)
     assert relayed > rows * hidden_row
     assert all(len(h) > 0 for h in pipeline.hop_seconds)  # every station's hop was reported back
+
+
+@pytest.mark.parametrize("n", sorted(CHAINS))
+def test_direct_chains_run_several_decode_steps_per_call(tiny_llama, reference, chains, n):
+    """On the direct path the first station runs a decode-only wave's steps itself, relaying each and feeding the
+    samples back: the tokens of one step per call and of one station, in fewer wave calls."""
+    prompts, params, ref = reference
+    waves: list[int] = []
+    several, _, _ = _run(tiny_llama, chains[n], "direct", prompts, params, decode_steps=4, waves=waves)
+    single, _, _ = _run(tiny_llama, chains[n], "direct", prompts, params, decode_steps=1, waves=waves)
+    assert several == single == ref
+    assert waves[0] < waves[1], waves
+
+
+def test_relayed_steps_equal_single_relayed_steps(tiny_llama, chains):
+    """A 3-step relayed call gives, bit for bit, the samples (and logprobs) of three one-step relayed calls, with one
+    report per relayed station summing the steps; a prompt chunk, or steps sent to a station after the first, is
+    refused as a bad wave with the KV as before."""
+    first, *rest = [RemoteLink(s.address, timeout_s=30, token=TOKEN) for s in chains[3]]
+    prompt = [1, 40, 41, 42, 43]
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=11, logprobs=2, ignore_eos=True)
+    got = {}
+    try:
+        for seq, steps in ((51, 3), (52, 1)):
+            reply = first.relay(1, (WaveEntry(seq, 0, len(prompt), params),), prompt, rest)
+            ids = [reply.output.samples[0].token_id]
+            logprobs = []
+            for _ in range(3 // steps):
+                pos = len(prompt) + len(ids) - 1
+                reply = first.relay(2, (WaveEntry(seq, pos, 1, params),), [ids[-1]], rest, steps=steps)
+                assert len(reply.output.samples) == steps and len(reply.hops) == 2
+                assert all(h.forward_seconds > 0 and h.call_seconds >= h.served_seconds for h in reply.hops)
+                ids += [t.token_id for t in reply.output.samples]
+                logprobs += [(t.logprob, t.top_logprobs) for t in reply.output.samples]
+            got[steps] = (ids, logprobs)
+        assert got[3] == got[1]
+        held = chains[3][0].servicer.station.kv.stats().blocks_used
+        with pytest.raises(StationCallError, match="1-token entries") as refused:
+            first.client.relay(3, (WaveEntry(51, 8, 2, params),), token_ids=[4, 5],
+                               relay_to=[r.address for r in rest], steps=2)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(StationCallError, match="start at its first station") as refused:
+            rest[0].client.relay(4, (WaveEntry(51, 8, 1, params),), hidden=_rows(1),
+                                 relay_to=[rest[1].address], steps=2)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert chains[3][0].servicer.station.kv.stats().blocks_used == held
+    finally:
+        first.release((51, 52))
+        for link in rest:
+            link.release((51, 52))
+            link.close()
+        first.close()
+
+
+def test_a_successor_failing_a_later_step_fails_the_call(tiny_llama, chains):
+    """Several relayed steps whose successor fails the second: the whole call fails with the successor's status
+    (StationDown: recovery replays the route), never with part of the steps' samples."""
+    first = RemoteLink(chains[2][0].address, timeout_s=10, token=TOKEN)
+    mortal = start_server(Station(tiny_llama, StationSpec(layers=(2, 6))), token=TOKEN)
+    station, calls = mortal.servicer.station, []
+    forward = station.forward
+
+    def forward_then_fail(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:  # the prefill, then the first step: the second step fails
+            raise RuntimeError("the device fell off the bus")
+        return forward(*args, **kw)
+
+    station.forward = forward_then_fail
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    try:
+        reply = first.relay(1, (WaveEntry(61, 0, 3, params),), [4, 5, 6], [_Addr(mortal.address)])
+        token = reply.output.samples[0].token_id
+        with pytest.raises(StationDown, match=f"relay to {mortal.address}.*device fell off") as down:
+            first.relay(2, (WaveEntry(61, 3, 1, params),), [token], [_Addr(mortal.address)], steps=3)
+        assert down.value.__cause__.code == grpc.StatusCode.INTERNAL and len(calls) == 3
+    finally:
+        first.release((61,))
+        first.close()
+        mortal.stop(0)
 
 
 def test_every_hop_carries_the_token_and_mtls(tiny_llama, reference, pki_files):

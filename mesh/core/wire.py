@@ -244,7 +244,8 @@ def encode_forward(wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequen
                    hidden: torch.Tensor | None, relay_to: Sequence[str] = (), steps: int = 1) -> pb.ForwardRequest:
     """Build a ForwardRequest: token ids for the first station, hidden rows for the others; `relay_to`:
     the stations after this one, to which the station sends its output itself (direct transfer); `steps`:
-    decode steps the (only) station runs in this call."""
+    decode steps run in this call (by the only station, or by the first station of a relay chain, which
+    sends each step through `relay_to` and feeds the samples back)."""
     if (token_ids is None) == (hidden is None):
         raise WireError("payload: give exactly one of token_ids or hidden")
     if not 1 <= steps <= MAX_DECODE_STEPS:
@@ -314,13 +315,10 @@ MAX_ADDRESS_CHARS = 255
 
 
 def decode_steps(msg: pb.ForwardRequest) -> int:
-    """The decode steps a ForwardRequest asks for (0 on the wire = 1), checked: at most MAX_DECODE_STEPS,
-    and several only without relay_to (one station runs them all)."""
+    """The decode steps a ForwardRequest asks for (0 on the wire = 1), checked: at most MAX_DECODE_STEPS."""
     steps = msg.steps or 1
     if steps > MAX_DECODE_STEPS:
         raise WireError(f"steps: {steps} exceeds {MAX_DECODE_STEPS}")
-    if steps > 1 and msg.relay_to:
-        raise WireError("steps: several decode steps need one station holding every layer, not a relay chain")
     return steps
 
 
