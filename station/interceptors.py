@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import hmac
+import threading
+from collections.abc import Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -11,6 +13,57 @@ from mesh.core.transport import check_token
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Station"].full_name  # "wavemesh.v1.Station"
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # method prefixes served without the cluster token
+FORWARD_METHOD = f"/{SERVICE_NAME}/Forward"
+
+
+class WireBytes:
+    """Forward message bytes by direction ("in", "out"), counted as the messages are parsed and serialized (the
+    lengths gRPC handles: no second encoding to measure them)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes = {"in": 0, "out": 0}
+
+    def add(self, direction: str, nbytes: int) -> None:
+        """Count `nbytes` more in `direction`."""
+        with self._lock:
+            self._bytes[direction] += nbytes
+
+    def totals(self) -> dict[str, int]:
+        """The bytes so far, by direction."""
+        with self._lock:
+            return dict(self._bytes)
+
+    def counting(self, parse: Callable[[bytes], object], serialize: Callable[[object], bytes], *, received: str,
+                 sent: str) -> tuple[Callable[[bytes], object], Callable[[object], bytes]]:
+        """`parse` and `serialize` counting what they read as `received` and what they write as `sent`."""
+        def parse_counted(data: bytes) -> object:
+            self.add(received, len(data))
+            return parse(data)
+
+        def serialize_counted(message: object) -> bytes:
+            data = serialize(message)
+            self.add(sent, len(data))
+            return data
+
+        return parse_counted, serialize_counted
+
+
+class CountForwardBytes(grpc.ServerInterceptor):
+    """Count every Forward request's and reply's bytes into `wire` (requests "in", replies "out")."""
+
+    def __init__(self, wire: WireBytes) -> None:
+        self._wire = wire
+
+    def intercept_service(self, continuation, handler_call_details):
+        """Wrap Forward's request parser and reply serializer; other methods pass untouched."""
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None or handler_call_details.method != FORWARD_METHOD:
+            return handler
+        parse, serialize = self._wire.counting(handler.request_deserializer, handler.response_serializer,
+                                               received="in", sent="out")
+        return grpc.unary_unary_rpc_method_handler(handler.unary_unary, request_deserializer=parse,
+                                                   response_serializer=serialize)
 
 
 class TokenAuth(grpc.ServerInterceptor):

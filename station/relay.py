@@ -31,11 +31,11 @@ import grpc
 import torch
 
 from mesh.core.proto import station_pb2 as pb
-from mesh.core.proto import station_pb2_grpc
 from mesh.core.transport import StationTls, bearer_metadata
 from mesh.core.wave import StationOutput, WaveEntry, decode_step_entries, decode_steps_problem
 from mesh.core.wire import WireError, entries_to_proto, proto_to_samples, tensor_to_proto
 from station.client import station_channel
+from station.interceptors import FORWARD_METHOD, WireBytes
 
 StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor], tuple[StationOutput, pb.KVUsage]]
 
@@ -53,47 +53,51 @@ class Successors:
     `max_channels`), with this station's own token and TLS material."""
 
     def __init__(self, token: str | None, tls: StationTls | None, max_message_bytes: int,
-                 default_timeout_s: float = 30.0, max_channels: int = 16) -> None:
+                 default_timeout_s: float = 30.0, max_channels: int = 16, wire: WireBytes | None = None) -> None:
+        """`wire`: where the bytes of relayed requests ("out") and their answers ("in") are counted."""
         self._metadata = bearer_metadata(token)
+        self._wire = wire or WireBytes()
         self._tls = tls
         self._max_message_bytes = max_message_bytes
         self._default_timeout_s = default_timeout_s
         self._max_channels = max_channels
-        self._stubs: OrderedDict[str, tuple[grpc.Channel, station_pb2_grpc.StationStub]] = OrderedDict()
+        self._stubs: OrderedDict[str, tuple[grpc.Channel, grpc.UnaryUnaryMultiCallable]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _stub(self, address: str) -> station_pb2_grpc.StationStub:
+    def _forward(self, address: str) -> grpc.UnaryUnaryMultiCallable:
+        """The Forward call of the station at `address`, its bytes counted as they are encoded and decoded."""
         with self._lock:
             if address in self._stubs:
                 self._stubs.move_to_end(address)
                 return self._stubs[address][1]
             channel = station_channel(address, self._max_message_bytes, self._tls)
-            self._stubs[address] = (channel, station_pb2_grpc.StationStub(channel))
+            parse, serialize = self._wire.counting(pb.ForwardReply.FromString, pb.ForwardRequest.SerializeToString,
+                                                   received="in", sent="out")
+            self._stubs[address] = (channel, channel.unary_unary(FORWARD_METHOD, request_serializer=serialize,
+                                                                 response_deserializer=parse))
             while len(self._stubs) > self._max_channels:
                 self._stubs.popitem(last=False)[1][0].close()
             return self._stubs[address][1]
 
     def relay(self, wave_id: int, entries: Sequence[pb.Entry], relay_to: tuple[str, ...], out: StationOutput,
-              kv: pb.KVUsage, time_left_s: float | None, count_wire: Callable[[str, int], None]) -> pb.ForwardReply:
+              kv: pb.KVUsage, time_left_s: float | None) -> pb.ForwardReply:
         """Send `out.hidden` for the wave's `entries` to relay_to[0] (with the rest of the list) within
         `time_left_s` (None: the caller set no deadline, use the default), and build this station's reply from
-        the answer. `count_wire(direction, bytes)` is told what went out to the successor and what came back."""
+        the answer."""
         if out.hidden is None:
             raise RelayError(grpc.StatusCode.INVALID_ARGUMENT,
                              "relay_to: this station samples (it holds the last layer); there is nothing to relay")
         successor = relay_to[0]
-        onward = pb.ForwardRequest(wave_id=wave_id, entries=entries, hidden=tensor_to_proto(out.hidden),
-                                   relay_to=relay_to[1:])
+        onward = pb.ForwardRequest(wave_id=wave_id, entries=entries, relay_to=relay_to[1:])
+        tensor_to_proto(out.hidden, into=onward.hidden)
         timeout = self._default_timeout_s if time_left_s is None else max(0.0, time_left_s)
-        count_wire("out", onward.ByteSize())
         t0 = time.perf_counter()
         try:
-            answer = self._stub(successor).Forward(onward, timeout=timeout, metadata=self._metadata)
+            answer = self._forward(successor)(onward, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise RelayError(err.code(), f"relay to {successor}: {err.details() or err.code().name}") from None
         except ValueError as err:  # the channel was closed under us (evicted)
             raise RelayError(grpc.StatusCode.UNAVAILABLE, f"relay to {successor}: {err}") from None
-        count_wire("in", answer.ByteSize())
         hop = pb.RelayHop(address=successor, kv=answer.kv, forward_seconds=answer.forward_seconds,
                           served_seconds=answer.served_seconds, call_seconds=time.perf_counter() - t0)
         reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv, relayed=[hop, *answer.relayed])
@@ -107,8 +111,8 @@ class Successors:
         return reply
 
     def relay_steps(self, wave_id: int, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, steps: int,
-                    relay_to: tuple[str, ...], run_step: StepRunner, time_left_s: Callable[[], float | None],
-                    count_wire: Callable[[str, int], None], *, block_tokens: int, vocab_size: int) -> pb.ForwardReply:
+                    relay_to: tuple[str, ...], run_step: StepRunner, time_left_s: Callable[[], float | None], *,
+                    block_tokens: int, vocab_size: int) -> pb.ForwardReply:
         """`steps` decode steps of a wave at the first station of a chain: each step runs here (`run_step`:
         this station's step and KV report, under its lock), goes through `relay_to` as a one-step wave, and
         the samples that come back are the next step's token ids. The reply holds the samples step-major, one
@@ -121,7 +125,7 @@ class Successors:
         for k in range(steps):
             step = decode_step_entries(entries, k, block_tokens)
             out, kv = run_step(step, token_ids)
-            answer = self.relay(wave_id, entries_to_proto(step), relay_to, out, kv, time_left_s(), count_wire)
+            answer = self.relay(wave_id, entries_to_proto(step), relay_to, out, kv, time_left_s())
             if not answer.HasField("samples"):
                 raise RelayError(grpc.StatusCode.INTERNAL, f"relay to {relay_to[0]}: step {k} came back without "
                                  "samples (several decode steps need the chain to reach the last station)")

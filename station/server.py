@@ -43,7 +43,7 @@ from mesh.core.transport import StationTls, host_port
 from mesh.core.wave import StationOutput, WaveEntry
 from mesh.core.wire import WireError, decode_forward, decode_relay, decode_steps, samples_to_proto, tensor_to_proto
 from mesh.core.wire_kv import MAX_COPY_BYTES, decode_export, decode_import
-from station.interceptors import SERVICE_NAME, StrictDecode, TokenAuth
+from station.interceptors import SERVICE_NAME, CountForwardBytes, StrictDecode, TokenAuth, WireBytes
 from station.kv import KVBudgetError
 from station.probe import HealthProbe, ProbeConfig
 from station.relay import RelayError, Successors
@@ -95,8 +95,9 @@ class StationServicer(station_pb2_grpc.StationServicer):
     """Forward / Release / ExportKV / ImportKV / Info over one Station; error classes map to status codes."""
 
     def __init__(self, station: Station, limits: ServerLimits, metrics_address: str = "",
-                 successors: Successors | None = None) -> None:
-        """`successors`: how this station reaches the next ones on a relayed wave (None: it refuses relays)."""
+                 successors: Successors | None = None, wire: WireBytes | None = None) -> None:
+        """`successors`: how this station reaches the next ones on a relayed wave (None: it refuses relays);
+        `wire`: the Forward byte counts (the server's CountForwardBytes and the successors count into it)."""
         self.station = station
         self.successors = successors
         self.limits = limits
@@ -104,8 +105,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
         self._lock = threading.Lock()  # one station call at a time: the KV is not thread-safe
         self._pending = threading.BoundedSemaphore(limits.max_pending)
         self._block_tokens = station.stats().kv.block_tokens  # how a several-step wave's block tables are cut
-        self.wire_bytes = {"in": 0, "out": 0}  # Forward bytes, relays to the next station included (/metrics)
-        self._wire_lock = threading.Lock()
+        self.wire = wire or WireBytes()  # Forward bytes, relays to the next station included (/metrics)
 
     def _exclusive(self, fn: Callable[[], _R]) -> _R:
         """Run fn holding the station lock; refuse with StationBusy when max_pending calls already wait."""
@@ -166,31 +166,32 @@ class StationServicer(station_pb2_grpc.StationServicer):
                                     "(token ids in)")
                 return self.successors.relay_steps(
                     request.wave_id, entries, token_ids, steps, relay_to, self._one_step, context.time_remaining,
-                    self._count_wire, block_tokens=self._block_tokens, vocab_size=st.config.vocab_size)
+                    block_tokens=self._block_tokens, vocab_size=st.config.vocab_size)
             out, kv = self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps),
                                                kv_usage_proto(st)))
             if relay_to:  # outside the station lock: the next wave computes while the successors run this one
                 return self.successors.relay(request.wave_id, request.entries, relay_to, out, kv,
-                                             context.time_remaining(), self._count_wire)
+                                             context.time_remaining())
             if out.hidden is not None:
-                return pb.ForwardReply(hidden=tensor_to_proto(out.hidden), forward_seconds=out.seconds, kv=kv)
+                reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv)
+                tensor_to_proto(out.hidden, into=reply.hidden)
+                return reply
             return pb.ForwardReply(samples=samples_to_proto(out.samples or []), forward_seconds=out.seconds, kv=kv)
 
-        self._count_wire("in", request.ByteSize())
         reply = self._guarded(context, "Forward", run)
         reply.served_seconds = time.perf_counter() - started
-        self._count_wire("out", reply.ByteSize())
         return reply
+
+    @property
+    def wire_bytes(self) -> dict[str, int]:
+        """Forward message bytes in and out of this station, relays to the next station included."""
+        return self.wire.totals()
 
     def _one_step(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor) -> tuple[StationOutput, pb.KVUsage]:
         """One step of a several-step relayed wave, under the station lock (released between steps, so other
         waves compute while this one's rows travel)."""
         st = self.station
         return self._exclusive(lambda: (st.forward(entries, token_ids=token_ids), kv_usage_proto(st)))
-
-    def _count_wire(self, direction: str, nbytes: int) -> None:
-        with self._wire_lock:
-            self.wire_bytes[direction] += nbytes
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
         """Free the KV of the listed sequences; replies with how many were resident and the KV left."""
@@ -301,12 +302,14 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
     size = limits.message_bytes(cfg.hidden_size, kv_row)
     options = [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
                ("grpc.so_reuseport", 0)]  # a port taken by another process is an error, not shared
-    interceptors = ([TokenAuth(token)] if token is not None else []) + [StrictDecode()]
+    wire = WireBytes()
+    interceptors = ([TokenAuth(token)] if token is not None else []) + [StrictDecode(), CountForwardBytes(wire)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.max_workers,
                                                     thread_name_prefix="station-grpc"),
                          options=options, interceptors=interceptors)
-    successors = Successors(token, relay_tls or tls, size)  # relayed waves go on with this station's own credentials
-    servicer = StationServicer(station, limits, metrics_address, successors)
+    # relayed waves go on with this station's own credentials
+    successors = Successors(token, relay_tls or tls, size, wire=wire)
+    servicer = StationServicer(station, limits, metrics_address, successors, wire)
     station_pb2_grpc.add_StationServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -42,8 +42,9 @@ def dtype_itemsize(name: str) -> int:
     return DTYPES[name].itemsize
 
 
-def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
-    """Encode a tensor as raw little-endian, C-contiguous bytes with its dtype name and shape."""
+def tensor_to_proto(t: torch.Tensor, into: pb.Tensor | None = None) -> pb.Tensor:
+    """Encode a tensor as raw little-endian, C-contiguous bytes with its dtype name and shape; `into`: fill that
+    message (a field of the message being built: no copy of the bytes into it afterwards)."""
     name = _DTYPE_NAMES.get(t.dtype)
     if name is None:
         raise WireError(f"tensor.dtype: {t.dtype} is not a wire dtype; expected one of {sorted(DTYPES)}")
@@ -53,7 +54,11 @@ def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
         flat = flat.view(torch.int16)
     arr = flat.numpy()
     data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
-    return pb.Tensor(dtype=name, shape=list(t.shape), data=data)
+    if into is None:
+        return pb.Tensor(dtype=name, shape=list(t.shape), data=data)
+    into.dtype, into.data = name, data
+    into.shape[:] = list(t.shape)
+    return into
 
 
 def proto_to_tensor(
@@ -88,17 +93,17 @@ def proto_to_tensor(
                 raise WireError(f"{field}.shape[{i}]: expected {want}, got {got}")
     itemsize = DTYPES[msg.dtype].itemsize
     nbytes = math.prod(shape) * itemsize
-    if max_bytes is not None and max(nbytes, len(msg.data)) > max_bytes:
-        raise WireError(f"{field}: {max(nbytes, len(msg.data))} bytes exceeds the limit of {max_bytes}")
-    if nbytes != len(msg.data):
-        raise WireError(f"{field}.data: {len(msg.data)} bytes, but shape {list(shape)} of {msg.dtype} "
-                        f"needs {nbytes}")
+    data = msg.data  # each read of a bytes field is a new copy: read it once
+    if max_bytes is not None and max(nbytes, len(data)) > max_bytes:
+        raise WireError(f"{field}: {max(nbytes, len(data))} bytes exceeds the limit of {max_bytes}")
+    if nbytes != len(data):
+        raise WireError(f"{field}.data: {len(data)} bytes, but shape {list(shape)} of {msg.dtype} needs {nbytes}")
     dtype = DTYPES[msg.dtype]
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     # A private bytearray copy: the tensor is writable and nothing else holds its memory.
     # Wire bytes are little-endian, as is every host torch runs on (x86-64, arm64).
-    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
 _EXPONENT_BITS = {  # float dtype -> (the integer dtype of its width, numpy's unsigned one, its exponent bits)
@@ -265,7 +270,7 @@ def encode_forward(wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequen
         assert hidden is not None
         if hidden.dim() != 2 or hidden.shape[0] != rows:
             raise WireError(f"hidden.shape: expected [{rows}, hidden_size], got {list(hidden.shape)}")
-        req.hidden.CopyFrom(tensor_to_proto(hidden))
+        tensor_to_proto(hidden, into=req.hidden)
     return req
 
 
