@@ -104,7 +104,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
         self.metrics_address = metrics_address
         self._lock = threading.Lock()  # one station call at a time: the KV is not thread-safe
         self._pending = threading.BoundedSemaphore(limits.max_pending)
-        self._block_tokens = station.stats().kv.block_tokens  # how a several-step wave's block tables are cut
+        self._positions_per_block: int | None = None
         self.wire = wire or WireBytes()  # Forward bytes, relays to the next station included (/metrics)
 
     def _exclusive(self, fn: Callable[[], _R]) -> _R:
@@ -166,7 +166,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
                                     "(token ids in)")
                 return self.successors.relay_steps(
                     request.wave_id, entries, token_ids, steps, relay_to, self._one_step, context.time_remaining,
-                    block_tokens=self._block_tokens, vocab_size=st.config.vocab_size)
+                    block_tokens=self._block_tokens(), vocab_size=st.config.vocab_size)
             out, kv = self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps),
                                                kv_usage_proto(st)))
             if relay_to:  # outside the station lock: the next wave computes while the successors run this one
@@ -186,6 +186,12 @@ class StationServicer(station_pb2_grpc.StationServicer):
     def wire_bytes(self) -> dict[str, int]:
         """Forward message bytes in and out of this station, relays to the next station included."""
         return self.wire.totals()
+
+    def _block_tokens(self) -> int:
+        """Positions per KV block at the station: how a several-step wave's block tables are cut per step."""
+        if self._positions_per_block is None:  # read on first use: a station's blocks never change size
+            self._positions_per_block = self.station.stats().kv.block_tokens
+        return self._positions_per_block
 
     def _one_step(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor) -> tuple[StationOutput, pb.KVUsage]:
         """One step of a several-step relayed wave, under the station lock (released between steps, so other
