@@ -1,7 +1,7 @@
 """`mesh bench scale`: does adding stations add throughput? Hub vs direct transfer (issue 13 items 2 and 4).
 
     mesh bench scale [--stations 1,2,4,8] [--paths hub,direct] [--wave-ms 64] [--k 64] [--hidden 8192]
-                     [--tokens 32] [--real-stations 2,3] [--real-k 16,32] [--skip-sim] [--skip-real] [--quick]
+                     [--tokens 128] [--real-stations 2,3] [--real-k 16,32] [--skip-sim] [--skip-real] [--quick]
 
 SIMULATED part (bench/sim_station.py): P evenly split stations, each a real gRPC server in its own process
 with the cluster token, whose step is a sleep of f * T (T = --wave-ms for the whole model at K = --k rows,
@@ -10,9 +10,12 @@ K=64, width 8192). Everything else is the real code: the engine's wave loop, sch
 this process, the wire encoding and validation, relays, sampled ids coming back. K*P requests (prompt of
 one token, --tokens decode steps, ignore_eos) keep P waves of K rows in flight. Reported per P and path:
 throughput and its ratio to P=1 (target: direct >= 0.9 x P for P <= 4, >= 0.7 x P at P = 8), this process's
-CPU per wave and share of one core (the orchestrator: stations are other processes), per-hop transfer cost p50/p99 (a call's
-wall time minus the callee's own time in it: hub = orchestrator <-> station i, direct = station i-1 ->
-station i, hop 0 = orchestrator -> first station) and the Forward bytes through the orchestrator per wave.
+CPU per step and share of one core (the orchestrator: stations are other processes), per-hop transfer cost p50/p99 (a call's
+wall time minus the callee's own time in it, per decode step of the call: hub = orchestrator <-> station i,
+direct = station i-1 -> station i, hop 0 = orchestrator -> first station) and the Forward bytes through the
+orchestrator per step. A step is one K-row wave's step (requests x tokens / K of them); once only decodes run, a
+wave call runs up to --decode-steps of them (the lone station, or the first station of a direct chain, feeds each
+step's samples into the next), so "wave calls" counts fewer.
 
 Real part: the `bench` preset over 2 and 3 real station processes (torch threads = cores // N), K concurrent
 greedy requests (prompt 32, --tokens): wall time and bytes through the orchestrator per wave, hub vs direct,
@@ -73,11 +76,11 @@ class TimedLink(RemoteLink):
         self.hop_seconds: list[float] = []
 
     def forward(self, wave_id, entries, token_ids, hidden, steps=1):
-        """Run the wave (hub path; `steps` decode steps on a lone station) and note the call's transfer cost."""
+        """Run the wave (hub path; `steps` decode steps on a lone station) and note the call's transfer cost per step."""
         t0 = time.perf_counter()
         reply = self._wave(lambda: self.client.relay(wave_id, entries, token_ids=token_ids, hidden=hidden,
                                                       steps=steps))
-        self.hop_seconds.append(time.perf_counter() - t0 - reply.served_seconds)
+        self.hop_seconds.append((time.perf_counter() - t0 - reply.served_seconds) / steps)
         return reply.output
 
 
@@ -138,10 +141,11 @@ def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k:
         for link in links:
             link.close()
     flat = [s for h in hops for s in h]
+    steps = len(prompts) * tokens / k  # K-row steps: a wave call runs one or several (decode_steps)
     return {"path": pipeline.hidden_path, "stations": len(addresses), "k": k, "wall_s": wall, "waves": waves,
-            "tok_s": len(prompts) * tokens / wall, "cpu_ms_per_wave": 1000 * cpu / waves,
+            "steps": steps, "tok_s": len(prompts) * tokens / wall, "cpu_ms_per_step": 1000 * cpu / steps,
             "orch_core_pct": 100 * cpu / wall,
-            "wall_ms_per_wave": 1000 * wall / waves, "orch_kib_per_wave": through / waves / 1024,
+            "wall_ms_per_step": 1000 * wall / steps, "orch_kib_per_step": through / steps / 1024,
             "hop_p50_ms": 1000 * percentile(flat, 50), "hop_p99_ms": 1000 * percentile(flat, 99),
             "hop_p50_ms_by_station": [round(1000 * percentile(h, 50), 2) for h in hops], "tokens": outs}
 
@@ -198,7 +202,7 @@ def real(args) -> list[dict]:
                 for r in got.values():
                     r["tokens_identical"] = same
                     rows.append(r)
-                log(f"real N={n} K={k}: " + ", ".join(f"{p} {r['wall_ms_per_wave']:.1f} ms/wave" for p, r in got.items()))
+                log(f"real N={n} K={k}: " + ", ".join(f"{p} {r['wall_ms_per_step']:.1f} ms/step" for p, r in got.items()))
         finally:
             stop_stations(procs)
     return rows
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=64, help="rows per wave (SIMULATED)")
     p.add_argument("--hidden", type=int, default=8192)
     p.add_argument("--num-layers", type=int, default=80)
-    p.add_argument("--tokens", type=int, default=32, help="decode steps per request")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per request (128: the steady state outweighs the pipeline's fill and drain)")
     p.add_argument("--decode-steps", type=int, default=4,
                    help="scheduler.decode_steps: decode steps per wave call once only decodes run")
     p.add_argument("--real-stations", type=ints, default=[2, 3])
@@ -231,24 +235,24 @@ def main(argv: list[str] | None = None) -> int:
     if sim_rows:
         print(f"\nSIMULATED GPU stations: T={args.wave_ms} ms per whole-model wave at K={args.k}, hidden {args.hidden} "
               f"bfloat16 ({sim_rows[0]['hop_mib']:.2f} MiB per hop), {args.tokens} decode steps, P waves in flight")
-        print("| P | path | tok/s | x P=1 | target | met | orchestrator CPU ms/wave | orchestrator core % "
-              "| hop p50 ms | hop p99 ms | hop p50 by station ms | KiB through orchestrator/wave | ms/wave |")
-        print("|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---:|")
+        print("| P | path | tok/s | x P=1 | target | met | orchestrator CPU ms/step | orchestrator core % "
+              "| hop p50 ms | hop p99 ms | hop p50 by station ms | KiB through orchestrator/step | ms/step | wave calls |")
+        print("|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|")
         for r in sim_rows:
             print(f"| {r['stations']} | {r['path']} | {r['tok_s']:.0f} | {r['x_p1']:.2f} | {r['target_x']:.1f} "
-                  f"| {'yes' if r['met'] else 'NO'} | {r['cpu_ms_per_wave']:.2f} | {r['orch_core_pct']:.0f} "
+                  f"| {'yes' if r['met'] else 'NO'} | {r['cpu_ms_per_step']:.2f} | {r['orch_core_pct']:.0f} "
                   f"| {r['hop_p50_ms']:.2f} "
-                  f"| {r['hop_p99_ms']:.2f} | {r['hop_p50_ms_by_station']} | {r['orch_kib_per_wave']:.1f} "
-                  f"| {r['wall_ms_per_wave']:.1f} |")
+                  f"| {r['hop_p99_ms']:.2f} | {r['hop_p50_ms_by_station']} | {r['orch_kib_per_step']:.1f} "
+                  f"| {r['wall_ms_per_step']:.1f} | {r['waves']} |")
     real_rows = [] if args.skip_real else real(args)
     if real_rows:
         print("\nReal compute (`bench` preset), hub vs direct, prompt 32, greedy")
-        print("| stations | K | path | ms/wave | KiB through orchestrator/wave | orchestrator CPU ms/wave "
-              "| hop p50 ms | tokens identical |")
-        print("|---:|---:|---|---:|---:|---:|---:|---|")
+        print("| stations | K | path | ms/step | KiB through orchestrator/step | orchestrator CPU ms/step "
+              "| hop p50 ms | wave calls | tokens identical |")
+        print("|---:|---:|---|---:|---:|---:|---:|---:|---|")
         for r in real_rows:
-            print(f"| {r['stations']} | {r['k']} | {r['path']} | {r['wall_ms_per_wave']:.1f} "
-                  f"| {r['orch_kib_per_wave']:.1f} | {r['cpu_ms_per_wave']:.2f} | {r['hop_p50_ms']:.2f} "
+            print(f"| {r['stations']} | {r['k']} | {r['path']} | {r['wall_ms_per_step']:.1f} "
+                  f"| {r['orch_kib_per_step']:.1f} | {r['cpu_ms_per_step']:.2f} | {r['hop_p50_ms']:.2f} | {r['waves']} "
                   f"| {r['tokens_identical']} |")
     print(f"load at end: {os.getloadavg()}")
     print(json.dumps({"simulated": sim_rows, "real": real_rows, "load_end": os.getloadavg()}))

@@ -64,7 +64,8 @@ class RelayPipeline:
         self.on_done = on_done
         self.busy_seconds = [0.0] * len(links)  # per station: its steps' seconds, as the relayed reports tell
         self.failed_releases = [0] * len(links)
-        # per station, its newest calls' transfer cost: the caller's wall time minus the callee's own time
+        # per station, its newest calls' transfer cost per decode step: the caller's wall time minus the callee's
+        # own time, over the call's steps (a several-step call sums each relayed step's)
         self.hop_seconds: list[deque[float]] = [deque(maxlen=HOP_SAMPLES) for _ in links]
         self._calls = ThreadPoolExecutor(max_workers=max_calls or 2 * len(links) + 2, thread_name_prefix="relay")
         self._running: set[Future] = set()
@@ -144,9 +145,9 @@ class RelayPipeline:
         except BaseException as e:  # noqa: BLE001 - reported to the engine, which ends or replays the wave
             self.on_done(plan, None, e)
             return
-        self.hop_seconds[0].append(time.perf_counter() - t0 - reply.served_seconds)
+        self.hop_seconds[0].append((time.perf_counter() - t0 - reply.served_seconds) / plan.steps)
         self.busy_seconds[0] += reply.output.seconds
         for i, hop in enumerate(reply.hops, start=1):
             self.busy_seconds[i] += hop.forward_seconds
-            self.hop_seconds[i].append(hop.call_seconds - hop.served_seconds)
+            self.hop_seconds[i].append((hop.call_seconds - hop.served_seconds) / plan.steps)
         self.on_done(plan, reply.output.samples, None)

@@ -58,7 +58,7 @@ def test_simulated_chain_serves_through_the_real_engine():
                for path in ("hub", "direct")}
         assert got["hub"]["tokens"] == got["direct"]["tokens"]
         assert got["direct"]["path"] == "direct" and got["hub"]["path"] == "hub"
-        assert got["direct"]["orch_kib_per_wave"] < got["hub"]["orch_kib_per_wave"]
+        assert got["direct"]["orch_kib_per_step"] < got["hub"]["orch_kib_per_step"]
         assert all(st.kv_usage().sequences == 0 for st in stations)
     finally:
         for s in servers:
