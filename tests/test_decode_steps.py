@@ -53,13 +53,15 @@ def _serve(model_dir, decode_steps, prompts, params, ranges=((0, 6),)):
 
 
 def test_engine_tokens_are_the_same_at_any_decode_steps(tiny_llama):
-    """1, 4 and 7 steps per call: the same tokens, logprobs and finish reasons; fewer waves with steps."""
+    """1, 4 and 7 steps per call: the same tokens, logprobs and finish reasons; fewer wave calls with steps."""
     prompts, params = _jobs()
     runs = {steps: _serve(tiny_llama, steps, prompts, params) for steps in (1, 4, 7)}
     want = [(o.token_ids, o.finish_reason, o.logprobs) for o in runs[1][0]]
     for steps in (4, 7):
         assert [(o.token_ids, o.finish_reason, o.logprobs) for o in runs[steps][0]] == want, steps
-    assert runs[7][1] <= runs[4][1] < runs[1][1], {k: v[1] for k, v in runs.items()}
+    # fewer wave calls with steps; 7 against 4 is left unordered: the requests are submitted while the loop already
+    # plans, and a wave planned before the last arrives may run its steps or not (one suite run saw 14 against 13)
+    assert max(runs[4][1], runs[7][1]) < runs[1][1], {k: v[1] for k, v in runs.items()}
     alone = Station(tiny_llama, WHOLE)
     assert [o.token_ids for o in runs[4][0]] == [generate_one(alone, p, sp)[0] for p, sp in zip(prompts, params)]
 
