@@ -232,7 +232,7 @@ class Pipeline:
     def runs_decode_steps(self, depth: int) -> bool:
         """Several decode steps per wave call: only one wave at a time (`depth` 1) on a lone station whose link
         runs them (it holds the station for every step)."""
-        return depth == 1 and len(self.links) == 1 and runs_steps(self.links[0])
+        return depth == 1 and runs_steps(self.links[0])  # depth counts a wave per link: 1 means a lone station
 
     def submit(self, plan: WavePlan) -> None:
         """Send a WavePlan (entries + token ids) into station 0."""

@@ -52,11 +52,12 @@ class Successors:
     """Channels to the stations this one relays to (one per address, the least recently used closed beyond
     `max_channels`), with this station's own token and TLS material."""
 
-    def __init__(self, token: str | None, tls: StationTls | None, max_message_bytes: int,
-                 default_timeout_s: float = 30.0, max_channels: int = 16, wire: WireBytes | None = None) -> None:
-        """`wire`: where the bytes of relayed requests ("out") and their answers ("in") are counted."""
+    def __init__(self, token: str | None, tls: StationTls | None, max_message_bytes: int, wire: WireBytes,
+                 default_timeout_s: float = 30.0, max_channels: int = 16) -> None:
+        """`wire`: where the bytes of relayed requests ("out") and their answers ("in") are counted (the station's
+        own Forward counts)."""
         self._metadata = bearer_metadata(token)
-        self._wire = wire or WireBytes()
+        self._wire = wire
         self._tls = tls
         self._max_message_bytes = max_message_bytes
         self._default_timeout_s = default_timeout_s

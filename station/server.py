@@ -94,8 +94,8 @@ class StationBusy(RuntimeError):
 class StationServicer(station_pb2_grpc.StationServicer):
     """Forward / Release / ExportKV / ImportKV / Info over one Station; error classes map to status codes."""
 
-    def __init__(self, station: Station, limits: ServerLimits, metrics_address: str = "",
-                 successors: Successors | None = None, wire: WireBytes | None = None) -> None:
+    def __init__(self, station: Station, limits: ServerLimits, wire: WireBytes, metrics_address: str = "",
+                 successors: Successors | None = None) -> None:
         """`successors`: how this station reaches the next ones on a relayed wave (None: it refuses relays);
         `wire`: the Forward byte counts (the server's CountForwardBytes and the successors count into it)."""
         self.station = station
@@ -105,7 +105,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
         self._lock = threading.Lock()  # one station call at a time: the KV is not thread-safe
         self._pending = threading.BoundedSemaphore(limits.max_pending)
         self._positions_per_block: int | None = None
-        self.wire = wire or WireBytes()  # Forward bytes, relays to the next station included (/metrics)
+        self.wire = wire  # Forward bytes, relays to the next station included (/metrics)
 
     def _exclusive(self, fn: Callable[[], _R]) -> _R:
         """Run fn holding the station lock; refuse with StationBusy when max_pending calls already wait."""
@@ -314,8 +314,8 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
                                                     thread_name_prefix="station-grpc"),
                          options=options, interceptors=interceptors)
     # relayed waves go on with this station's own credentials
-    successors = Successors(token, relay_tls or tls, size, wire=wire)
-    servicer = StationServicer(station, limits, metrics_address, successors, wire)
+    successors = Successors(token, relay_tls or tls, size, wire)
+    servicer = StationServicer(station, limits, wire, metrics_address, successors)
     station_pb2_grpc.add_StationServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -55,13 +55,18 @@ def wave_rows(entries: tuple[WaveEntry, ...] | list[WaveEntry]) -> int:
     return sum(e.n_tokens for e in entries)
 
 
+def _blocks_for(positions: int, block_tokens: int) -> int:
+    """Blocks of `block_tokens` positions that hold `positions` positions."""
+    return -(-positions // block_tokens)
+
+
 def decode_steps_problem(entries: tuple[WaveEntry, ...], steps: int, block_tokens: int) -> str | None:
     """Why `entries` cannot run `steps` decode steps in one call (None when they can): every entry must be one
     token that samples, and a block table given must cover every step's position."""
     for i, e in enumerate(entries):
         if not isinstance(e, WaveEntry) or e.n_tokens != 1 or e.sample is None:
             return f"entries[{i}]: several decode steps take 1-token entries that sample"
-        need = -(-(e.start_pos + steps) // block_tokens)
+        need = _blocks_for(e.start_pos + steps, block_tokens)
         if e.blocks and len(e.blocks) != need:
             return (f"entries[{i}].blocks: {len(e.blocks)} block ids for {steps} steps from position "
                     f"{e.start_pos} (needs {need})")
@@ -71,7 +76,7 @@ def decode_steps_problem(entries: tuple[WaveEntry, ...], steps: int, block_token
 def decode_step_entries(entries: tuple[WaveEntry, ...], k: int, block_tokens: int) -> tuple[WaveEntry, ...]:
     """Step k (from 0) of a several-step decode wave: each entry k positions on, its block table cut to the
     blocks that step's positions need."""
-    return tuple(replace(e, start_pos=e.start_pos + k, blocks=e.blocks[:-(-(e.start_pos + k + 1) // block_tokens)])
+    return tuple(replace(e, start_pos=e.start_pos + k, blocks=e.blocks[:_blocks_for(e.start_pos + k + 1, block_tokens)])
                  for e in entries)
 
 
