@@ -13,8 +13,11 @@ throughput and its ratio to P=1 (target: direct >= 0.9 x P for P <= 4, >= 0.7 x 
 CPU per step and share of one core (the orchestrator: stations are other processes), per-hop transfer cost p50/p99 (a call's
 wall time minus the callee's own time in it, per decode step of the call: hub = orchestrator <-> station i,
 direct = station i-1 -> station i, hop 0 = orchestrator -> first station) and the Forward bytes through the
-orchestrator per step. A step is one K-row wave's step (requests x tokens / K of them); once only decodes run, a
-wave call runs up to --decode-steps of them (the lone station, or the first station of a direct chain, feeds each
+orchestrator per step; each station process's CPU per step, the machine's CPU in use (every process of the
+run over all cores), and the limit (`sim_limit`): the busiest of the wave's path (P waves in flight, each step
+the modelled device time plus the hops), the machine's cores, the orchestrator's thread and the busiest station
+process, with how busy it was. A step is one K-row wave's step (requests x tokens / K of them); once only decodes
+run, a wave call runs up to --decode-steps of them (the lone station, or the first station of a direct chain, feeds each
 step's samples into the next), so "wave calls" counts fewer.
 
 Real part: the `bench` preset over 2 and 3 real station processes (torch threads = cores // N), K concurrent
@@ -36,6 +39,7 @@ from pathlib import Path
 from sim_station import SimModel
 
 from mesh.core.config import ModelConfig, SchedulerConfig
+from mesh.core.hostinfo import process_cpu_seconds
 from mesh.core.params import SamplingParams
 from orchestrator.engine import Engine
 from orchestrator.remote import RemoteLink
@@ -115,14 +119,17 @@ def stop_stations(procs: list[subprocess.Popen]) -> None:
             proc.kill()
 
 
-def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k: int, decode_steps: int = 4) -> dict:
-    """K-per-wave requests through an engine over `addresses` on `path`; wall, CPU, bytes, hops, token ids."""
+def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k: int, decode_steps: int = 4,
+              station_pids: tuple[int, ...] = ()) -> dict:
+    """K-per-wave requests through an engine over `addresses` on `path`; wall, CPU (this process's and the station
+    processes' `station_pids`), bytes, hops, token ids."""
     links = [TimedLink(a, timeout_s=120, token=TOKEN) for a in addresses]
     sched = SchedulerConfig(max_seqs=len(prompts), max_wave_tokens=max(len(prompts), 64 * len(addresses)),
                             max_queue=len(prompts), hidden_path=path, decode_steps=decode_steps)
     engine = Engine(links, model, sched)
     try:
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        station_cpu0 = [process_cpu_seconds(pid) for pid in station_pids]
         cpu0, t0 = time.process_time(), time.perf_counter()
         streams = [engine.submit(p, params) for p in prompts]
         results = [s.result(timeout=900)[0] for s in streams]
@@ -131,6 +138,7 @@ def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k:
             raise RuntimeError(f"{len(errors)} of {len(results)} requests failed: {errors[0]}")
         outs = [r.token_ids for r in results]
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        station_cpu = [process_cpu_seconds(pid) - c0 for pid, c0 in zip(station_pids, station_cpu0)]
         waves = engine.stats().waves
         pipeline = engine.pipeline
         hops = ([list(h) for h in pipeline.hop_seconds] if pipeline.hidden_path == "direct"
@@ -147,7 +155,29 @@ def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k:
             "orch_core_pct": 100 * cpu / wall,
             "wall_ms_per_step": 1000 * wall / steps, "orch_kib_per_step": through / steps / 1024,
             "hop_p50_ms": 1000 * percentile(flat, 50), "hop_p99_ms": 1000 * percentile(flat, 99),
-            "hop_p50_ms_by_station": [round(1000 * percentile(h, 50), 2) for h in hops], "tokens": outs}
+            "hop_p50_ms_by_station": [round(1000 * percentile(h, 50), 2) for h in hops],
+            "station_cpu_ms_per_step": [round(1000 * c / steps, 2) for c in station_cpu],
+            "machine_cpu_pct": 100 * (cpu + sum(station_cpu)) / (wall * (os.cpu_count() or 1)), "tokens": outs}
+
+
+def sim_limit(r: dict, device_ms_per_step: float) -> tuple[str, float]:
+    """What bounds a SIMULATED point, and how busy it was (%): the busiest of
+    - the wave's path: with P waves in flight (one per station), a wave's step takes the modelled device time of
+      every station (`device_ms_per_step`, T at K rows) plus every hop on the way (p50), so a K-row step needs at
+      least (device + hops) / P of wall time ("device" where the hops are under 5% of it, else "hops");
+    - the machine's cores (every process's CPU over all of them), the orchestrator's one Python thread, and the
+      busiest station process (its Python runs on one core at most)."""
+    hops = sum(r["hop_p50_ms_by_station"])
+    path = 100 * (device_ms_per_step + hops) / r["stations"] / r["wall_ms_per_step"]
+    station_core = [c / r["wall_ms_per_step"] * 100 for c in r["station_cpu_ms_per_step"]]
+    busiest = max(range(len(station_core)), key=station_core.__getitem__)
+    candidates = {("device (modelled step)" if hops < 0.05 * (device_ms_per_step + hops) else
+                   f"hops on the wave's path ({hops:.1f} ms a step)"): path,
+                  f"machine CPU ({os.cpu_count()} cores)": r["machine_cpu_pct"],
+                  "orchestrator CPU": r["orch_core_pct"],
+                  f"station {busiest} CPU": station_core[busiest]}
+    name = max(candidates, key=candidates.__getitem__)
+    return name, candidates[name]
 
 
 def sim_model_config(sim: SimModel) -> ModelConfig:
@@ -169,8 +199,11 @@ def simulated(args) -> list[dict]:
         try:
             prompts = [[1 + i % 1000] for i in range(args.k * p)]
             for path in (["hub"] if p == 1 else args.paths):
-                r = run_point(addresses, sim_model_config(sim), path, prompts, args.tokens, args.k, args.decode_steps)
+                r = run_point(addresses, sim_model_config(sim), path, prompts, args.tokens, args.k, args.decode_steps,
+                              tuple(proc.pid for proc in procs))
                 r.pop("tokens")
+                device_ms = 1000 * sum(sim.station_seconds(b - a, args.k) for a, b in even_split(sim.num_layers, p))
+                r["limit"], r["limit_busy_pct"] = sim_limit(r, device_ms)
                 base = base or r["tok_s"]
                 r["x_p1"], r["target_x"], r["met"] = scaling_verdict(p, r["tok_s"], base)
                 r["hop_mib"] = sim.hop_bytes(args.k) / 2**20
@@ -196,7 +229,8 @@ def real(args) -> list[dict]:
         try:
             for k in args.real_k:
                 prompts = [[1] + [(97 * i + 13 * j) % (cfg.vocab_size - 3) + 3 for j in range(31)] for i in range(k)]
-                got = {path: run_point(addresses, cfg, path, prompts, args.tokens, k, args.decode_steps)
+                got = {path: run_point(addresses, cfg, path, prompts, args.tokens, k, args.decode_steps,
+                                       tuple(proc.pid for proc in procs))
                        for path in args.paths}
                 same = len({json.dumps(r.pop("tokens")) for r in got.values()}) == 1
                 for r in got.values():
@@ -236,24 +270,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nSIMULATED GPU stations: T={args.wave_ms} ms per whole-model wave at K={args.k}, hidden {args.hidden} "
               f"bfloat16 ({sim_rows[0]['hop_mib']:.2f} MiB per hop), {args.tokens} decode steps, P waves in flight")
         print("| P | path | tok/s | x P=1 | target | met | orchestrator CPU ms/step | orchestrator core % "
-              "| hop p50 ms | hop p99 ms | hop p50 by station ms | KiB through orchestrator/step | ms/step | wave calls |")
-        print("|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|")
+              "| hop p50 ms | hop p99 ms | hop p50 by station ms | KiB through orchestrator/step | ms/step | wave calls "
+              "| station CPU ms/step | machine CPU % | limit (busy %) |")
+        print("|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---|")
         for r in sim_rows:
             print(f"| {r['stations']} | {r['path']} | {r['tok_s']:.0f} | {r['x_p1']:.2f} | {r['target_x']:.1f} "
                   f"| {'yes' if r['met'] else 'NO'} | {r['cpu_ms_per_step']:.2f} | {r['orch_core_pct']:.0f} "
                   f"| {r['hop_p50_ms']:.2f} "
                   f"| {r['hop_p99_ms']:.2f} | {r['hop_p50_ms_by_station']} | {r['orch_kib_per_step']:.1f} "
-                  f"| {r['wall_ms_per_step']:.1f} | {r['waves']} |")
+                  f"| {r['wall_ms_per_step']:.1f} | {r['waves']} | {r['station_cpu_ms_per_step']} "
+                  f"| {r['machine_cpu_pct']:.0f} | {r['limit']} ({r['limit_busy_pct']:.0f}) |")
     real_rows = [] if args.skip_real else real(args)
     if real_rows:
         print("\nReal compute (`bench` preset), hub vs direct, prompt 32, greedy")
         print("| stations | K | path | ms/step | KiB through orchestrator/step | orchestrator CPU ms/step "
-              "| hop p50 ms | wave calls | tokens identical |")
-        print("|---:|---:|---|---:|---:|---:|---:|---:|---|")
+              "| hop p50 ms | wave calls | station CPU ms/step | tokens identical |")
+        print("|---:|---:|---|---:|---:|---:|---:|---:|---|---|")
         for r in real_rows:
             print(f"| {r['stations']} | {r['k']} | {r['path']} | {r['wall_ms_per_step']:.1f} "
                   f"| {r['orch_kib_per_step']:.1f} | {r['cpu_ms_per_step']:.2f} | {r['hop_p50_ms']:.2f} | {r['waves']} "
-                  f"| {r['tokens_identical']} |")
+                  f"| {r['station_cpu_ms_per_step']} | {r['tokens_identical']} |")
     print(f"load at end: {os.getloadavg()}")
     print(json.dumps({"simulated": sim_rows, "real": real_rows, "load_end": os.getloadavg()}))
     return 0

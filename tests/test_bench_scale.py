@@ -34,6 +34,20 @@ def test_percentile_and_targets():
     assert (ratio, round(target, 6), met) == (5.0, 5.6, False)
 
 
+def test_sim_limit_names_the_busiest_resource():
+    """The limit is whichever of the wave's path, the machine, the orchestrator and a station was busiest."""
+    row = {"stations": 4, "wall_ms_per_step": 20.0, "hop_p50_ms_by_station": [0.5, 3.0, 3.0, 3.5],
+           "station_cpu_ms_per_step": [2.0, 3.0, 4.0, 2.0], "machine_cpu_pct": 30.0, "orch_core_pct": 6.0}
+    name, busy = scale.sim_limit(row, 64.0)  # (64 + 10) / 4 waves = 18.5 of 20 ms a step
+    assert name == "hops on the wave's path (10.0 ms a step)" and busy == pytest.approx(92.5)
+    name, busy = scale.sim_limit({**row, "hop_p50_ms_by_station": [0.5, 0.5, 0.5, 0.5]}, 64.0)
+    assert name == "device (modelled step)" and busy == pytest.approx(82.5)  # hops under 5% of the path
+    name, busy = scale.sim_limit({**row, "machine_cpu_pct": 97.0}, 64.0)
+    assert name.startswith("machine CPU") and busy == 97.0
+    name, busy = scale.sim_limit({**row, "station_cpu_ms_per_step": [2.0, 19.8, 4.0, 2.0]}, 64.0)
+    assert name == "station 1 CPU" and busy == pytest.approx(99.0)
+
+
 def test_sim_model_defaults_are_the_issue_figures():
     sim = SimModel()
     assert sim.hop_bytes(64) == 2**20  # 64 rows x 8192 x bfloat16 = 1 MiB per hop
@@ -59,6 +73,7 @@ def test_simulated_chain_serves_through_the_real_engine():
         assert got["hub"]["tokens"] == got["direct"]["tokens"]
         assert got["direct"]["path"] == "direct" and got["hub"]["path"] == "hub"
         assert got["direct"]["orch_kib_per_step"] < got["hub"]["orch_kib_per_step"]
+        assert got["direct"]["station_cpu_ms_per_step"] == []  # in-process stations: no station processes named
         assert all(st.kv_usage().sequences == 0 for st in stations)
     finally:
         for s in servers:

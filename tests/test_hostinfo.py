@@ -1,13 +1,14 @@
 """What the benchmarks report about the machine: CPU time by process role, memory bandwidth."""
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
 
 import pytest
 
-from mesh.core.hostinfo import bandwidth_gb_s, cpu_seconds_by_role
+from mesh.core.hostinfo import bandwidth_gb_s, cpu_seconds_by_role, process_cpu_seconds
 
 
 def _spin(seconds: float) -> None:
@@ -26,6 +27,7 @@ def test_cpu_seconds_go_to_the_process_that_used_them():
     try:
         assert child.stdout.readline().strip() == "spun"
         after = cpu_seconds_by_role()  # the child is alive: its half second counts, as "other"
+        assert 0.45 <= process_cpu_seconds(child.pid) < 1.5  # and it is the child's own
     finally:
         child.kill()
         child.wait(timeout=30)
@@ -33,6 +35,7 @@ def test_cpu_seconds_go_to_the_process_that_used_them():
     assert 0.25 <= used["driver"] < 1.5, used
     assert used["other"] >= 0.45, used
     assert used["ray workers"] < 0.45, used  # no Ray in this test: nothing of the above lands there
+    assert math.isnan(process_cpu_seconds(child.pid))  # reaped: no such process any more
 
 
 def test_bandwidth_is_a_plausible_figure():

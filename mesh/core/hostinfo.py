@@ -68,6 +68,15 @@ def cpu_seconds_by_role() -> dict[str, float]:
     return seconds
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process `pid` has used so far; NaN without /proc or the process."""
+    try:
+        fields = _stat_fields(Path(f"/proc/{pid}"))
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def minor_faults() -> int:
     """Minor page faults of this process so far (each a first touch of a fresh page); 0 without /proc."""
     try:
