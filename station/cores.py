@@ -21,6 +21,7 @@ class CorePlacement:
     cores: tuple[int, ...] = ()
     reason: str = ""  # why nothing was pinned ("" when pinned)
     _held: tuple[int, ...] = field(default=(), repr=False)  # open lock-file descriptors, kept for the process's life
+    _before: tuple[int, ...] = field(default=(), repr=False)  # the process's affinity before it was pinned
 
     @property
     def pinned(self) -> bool:
@@ -28,9 +29,12 @@ class CorePlacement:
         return bool(self.cores)
 
     def release(self) -> None:
-        """Give the cores back (close the lock files); the process keeps its affinity."""
+        """Give the cores back: close the lock files and let the process run where it could before it was pinned
+        (a station built inside another process, as tests do, leaves that process as it found it)."""
         for fd in self._held:
             os.close(fd)
+        if self._before:
+            pin_process(set(self._before))
 
 
 def claim_cores(count: float, claim_dir: str | Path, available: set[int] | None = None) -> CorePlacement:
@@ -39,7 +43,8 @@ def claim_cores(count: float, claim_dir: str | Path, available: set[int] | None 
     want = int(count)
     if want < 1:
         return CorePlacement(reason=f"num_cpus={count:g} is less than one whole core: not pinned")
-    cores = sorted(os.sched_getaffinity(0) if available is None else available)
+    before = tuple(sorted(os.sched_getaffinity(0)))
+    cores = sorted(before if available is None else available)
     if len(cores) < want:
         return CorePlacement(reason=f"num_cpus={count:g} but this process may run on {len(cores)} core(s): not pinned")
     folder = Path(claim_dir)
@@ -63,7 +68,7 @@ def claim_cores(count: float, claim_dir: str | Path, available: set[int] | None 
         return CorePlacement(reason=f"num_cpus={count:g} but only {len(got)} of this node's {len(cores)} core(s) "
                                     f"are free of other stations: not pinned")
     pin_process(set(got))
-    return CorePlacement(cores=tuple(got), _held=tuple(held))
+    return CorePlacement(cores=tuple(got), _held=tuple(held), _before=before)
 
 
 def pin_process(cores: set[int]) -> None:

@@ -36,8 +36,9 @@ def test_a_core_another_station_holds_is_not_taken(tmp_path):
 
 
 def test_a_claim_made_again_after_the_holder_left_pins_the_process(tmp_path):
-    """A station that started while another held its core claims it once the other is gone (as after a reroute)."""
-    from station.cores import pin_process
+    """A station that started while another held its core claims it once the other is gone (as after a reroute);
+    giving the core back lets the process (and a thread it started while pinned) run where it could before."""
+    import threading
 
     before = os.sched_getaffinity(0)
     core = min(before)
@@ -48,9 +49,21 @@ def test_a_claim_made_again_after_the_holder_left_pins_the_process(tmp_path):
     finally:
         os.close(other)  # the other station ends
     again = claim_cores(1, tmp_path, available={core})
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, daemon=True)
     try:
         assert again.pinned and again.cores == (core,) and os.sched_getaffinity(0) == {core}
+        worker.start()  # inherits the pinned affinity
+        assert os.sched_getaffinity(worker.native_id) == {core}
     finally:
         again.release()
-        pin_process(before)  # this test process gets its cores back
-    assert os.sched_getaffinity(0) == before
+    try:
+        assert os.sched_getaffinity(0) == before and os.sched_getaffinity(worker.native_id) == before
+    finally:
+        stop.set()
+        worker.join(timeout=10)
+    mine = os.open(tmp_path / f"core-{core}.lock", os.O_RDWR | os.O_CREAT)
+    try:  # and its lock is free for the next station
+        fcntl.flock(mine, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(mine)
