@@ -193,16 +193,17 @@ def simulated(args) -> list[dict]:
     sim = SimModel(num_layers=args.num_layers, hidden_size=args.hidden, wave_s=args.wave_ms / 1000, k_rows=args.k)
     rows, base = [], None
     for p in args.stations:
-        procs, addresses = start_stations(even_split(sim.num_layers, p),
-                                          ["--wave-ms", str(args.wave_ms), "--hidden", str(args.hidden),
-                                           "--num-layers", str(args.num_layers), "--workers", str(2 * p + 8)])
+        ranges = even_split(sim.num_layers, p)
+        device_ms = 1000 * sum(sim.station_seconds(b - a, args.k) for a, b in ranges)  # a K-row step, every station
+        procs, addresses = start_stations(ranges, ["--wave-ms", str(args.wave_ms), "--hidden", str(args.hidden),
+                                                   "--num-layers", str(args.num_layers),
+                                                   "--workers", str(2 * p + 8)])
         try:
             prompts = [[1 + i % 1000] for i in range(args.k * p)]
             for path in (["hub"] if p == 1 else args.paths):
                 r = run_point(addresses, sim_model_config(sim), path, prompts, args.tokens, args.k, args.decode_steps,
                               tuple(proc.pid for proc in procs))
                 r.pop("tokens")
-                device_ms = 1000 * sum(sim.station_seconds(b - a, args.k) for a, b in even_split(sim.num_layers, p))
                 r["limit"], r["limit_busy_pct"] = sim_limit(r, device_ms)
                 base = base or r["tok_s"]
                 r["x_p1"], r["target_x"], r["met"] = scaling_verdict(p, r["tok_s"], base)

@@ -53,7 +53,6 @@ def cpu_seconds_by_role() -> dict[str, float]:
     proc = Path("/proc")
     if not proc.is_dir():
         return seconds
-    tick = os.sysconf("SC_CLK_TCK")
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -64,7 +63,7 @@ def cpu_seconds_by_role() -> dict[str, float]:
             continue
         role = ("driver" if int(entry.name) == os.getpid() else
                 "ray workers" if command.startswith(b"ray::") else "other")
-        seconds[role] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        seconds[role] += _cpu_seconds(fields)
     return seconds
 
 
@@ -74,7 +73,7 @@ def process_cpu_seconds(pid: int) -> float:
         fields = _stat_fields(Path(f"/proc/{pid}"))
     except OSError:
         return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _cpu_seconds(fields)
 
 
 def minor_faults() -> int:
@@ -83,6 +82,11 @@ def minor_faults() -> int:
         return int(_stat_fields(Path("/proc/self"))[7])
     except OSError:
         return 0
+
+
+def _cpu_seconds(fields: list[str]) -> float:
+    """utime + stime of a process's `_stat_fields`, in seconds."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _stat_fields(proc_dir: Path) -> list[str]:
