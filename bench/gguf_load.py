@@ -19,7 +19,10 @@ The process's cache of parsed GGUF headers is cleared before each GGUF run (a st
 Repeated loads in one process reuse memory the earlier ones freed; a station loads once, into fresh memory. So
 `--fresh N` also times N loads of each kind alternated, each the first load of a new process (after the imports and
 the kernels' probe, which a station pays once whatever its checkpoint): safetensors_fresh_s, gguf_fresh_s,
-safetensors_station_fresh_s and their ratio gguf_over_safetensors_fresh.
+safetensors_station_fresh_s and their ratio gguf_over_safetensors_fresh; and gguf_cached_fresh_s (ratio
+gguf_cached_over_safetensors_fresh), the GGUF station load where an earlier station on this machine left its
+packed weights in the packed cache (mesh.core.model.packed_cache; a temporary one here), which it maps instead of
+packing them. gguf_fresh_s is the load without a cache, as a station's first load of those layers on a node is.
 
 `--repack-shape ROWSxK` instead times the Q4_1 repack alone on one random weight of that shape, pushed out of the
 caches before each of 5 runs (a large model's weights are read from memory once): GB/s of GGUF blocks, the best run.
@@ -48,6 +51,7 @@ from mesh.core.model.gguf_file import GGUFCheckpoint
 from mesh.core.model.gguf_header import clear_header_cache
 from mesh.core.model.kernels import resolve_linear_backend, use_linear_backend
 from mesh.core.model.loader import load_range
+from mesh.core.model.packed_cache import PackedCache, wait_for_stores
 from mesh.core.model.quant_linear import BLOCK_WEIGHTS, QuantRows, repack, repacked_bytes
 
 
@@ -65,17 +69,18 @@ def _cold_gguf(fn):
     return run
 
 
-def _station_load(path: Path, cfg: ModelConfig, start: int, end: int, backend: str, keep_quantized: bool):
+def _station_load(path: Path, cfg: ModelConfig, start: int, end: int, backend: str, keep_quantized: bool,
+                  cache: PackedCache | None = None):
     """load_range then the kernels' set-up, as Station._load does."""
     model, report = load_range(path, cfg, start, end, keep_quantized=keep_quantized)
-    use_linear_backend(model, backend, torch.device("cpu"), torch.float32)
+    use_linear_backend(model, backend, torch.device("cpu"), torch.float32, packed_cache=cache)
     return model, report
 
 
-FRESH_KINDS = ("safetensors", "gguf", "safetensors_station")
+FRESH_KINDS = ("safetensors", "gguf", "safetensors_station", "gguf_cached")
 
 
-def _one_fresh_load(kind: str, gguf: Path, hf_dir: Path, layers: str) -> None:
+def _one_fresh_load(kind: str, gguf: Path, hf_dir: Path, layers: str, cache_dir: str) -> None:
     """In a new process: the first load of its kind, timed after the imports and the kernels' probe, with the
     process's objects frozen first as a station's start freezes them (station/actor.py); prints seconds."""
     backend = resolve_linear_backend("auto", torch.device("cpu"), torch.float32)
@@ -84,21 +89,24 @@ def _one_fresh_load(kind: str, gguf: Path, hf_dir: Path, layers: str) -> None:
     start, end = (int(x) for x in layers.split("-"))
     load = {"safetensors": lambda: load_range(hf_dir, cfg, start, end),
             "gguf": lambda: _station_load(gguf, cfg, start, end, backend, backend == "packed"),
-            "safetensors_station": lambda: _station_load(hf_dir, cfg, start, end, backend, False)}[kind]
+            "safetensors_station": lambda: _station_load(hf_dir, cfg, start, end, backend, False),
+            "gguf_cached": lambda: _station_load(gguf, cfg, start, end, backend, backend == "packed",
+                                                 PackedCache.for_gguf(cache_dir, gguf))}[kind]
     print(_seconds(lambda: on_compute_thread(load)))
 
 
-def _fresh_loads(n: int, gguf: Path, hf_dir: Path, layers: str) -> dict[str, float]:
+def _fresh_loads(n: int, gguf: Path, hf_dir: Path, layers: str, cache_dir: str) -> dict[str, float]:
     """Medians of n fresh-process loads of each kind, the kinds alternated."""
     times: dict[str, list[float]] = {k: [] for k in FRESH_KINDS}
     for _ in range(n):
         for kind in FRESH_KINDS:
             out = subprocess.run([sys.executable, __file__, "--one-fresh", kind, "--model", str(gguf),
-                                  "--hf-dir", str(hf_dir), "--layers", layers],
+                                  "--hf-dir", str(hf_dir), "--layers", layers, "--cache-dir", cache_dir],
                                  capture_output=True, text=True, timeout=300, check=True)
             times[kind].append(float(out.stdout.split()[-1]))
     med = {f"{k}_fresh_s": round(statistics.median(v), 3) for k, v in times.items()}
-    med["gguf_over_safetensors_fresh"] = round(med["gguf_fresh_s"] / med["safetensors_fresh_s"], 2)
+    for kind in ("gguf", "gguf_cached"):
+        med[f"{kind}_over_safetensors_fresh"] = round(med[f"{kind}_fresh_s"] / med["safetensors_fresh_s"], 2)
     return med
 
 
@@ -126,12 +134,13 @@ def main() -> None:
     p.add_argument("--repack-shape", help="ROWSxK: time only the Q4_1 repack of one such weight")
     p.add_argument("--one-fresh", choices=FRESH_KINDS, help=argparse.SUPPRESS)  # the child of --fresh
     p.add_argument("--hf-dir", help=argparse.SUPPRESS)
+    p.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.repack_shape:
         print(json.dumps(repack_speed(args.repack_shape)))
         return
     if args.one_fresh:
-        _one_fresh_load(args.one_fresh, Path(args.model), Path(args.hf_dir), args.layers)
+        _one_fresh_load(args.one_fresh, Path(args.model), Path(args.hf_dir), args.layers, args.cache_dir)
         return
     gguf = Path(args.model) if args.model else smollm2_gguf()
     backend = resolve_linear_backend("auto", torch.device("cpu"), torch.float32)
@@ -154,7 +163,11 @@ def main() -> None:
         for _ in range(args.repeats):  # alternating, so a change in the machine's load hits both alike
             for k, fn in loads.items():
                 times[k].append(_seconds(fn))
-        fresh = _fresh_loads(args.fresh, gguf, hf_dir, args.layers) if args.fresh else {}
+        cache_dir = str(Path(tmp) / "packed")  # filled by one load, then mapped by each gguf_cached load
+        on_compute_thread(_station_load, gguf, cfg, start, end, backend, backend == "packed",
+                          PackedCache.for_gguf(cache_dir, gguf))
+        wait_for_stores(60)
+        fresh = _fresh_loads(args.fresh, gguf, hf_dir, args.layers, cache_dir) if args.fresh else {}
     med = {f"{k}_s": round(statistics.median(v), 3) for k, v in times.items()}
     print(json.dumps({"model": gguf.name, "layers": [start, end], "backend": backend, **med,
                       "gguf_weight_bytes": kept.weight_bytes, "dequantized_weight_bytes": report.weight_bytes,

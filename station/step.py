@@ -17,8 +17,10 @@ import torch
 from mesh.core.compute import on_compute_thread
 from mesh.core.config import ModelConfig, StationSpec
 from mesh.core.model.fused import fuse_layers
+from mesh.core.model.gguf_file import is_gguf
 from mesh.core.model.kernels import resolve_linear_backend, use_linear_backend
 from mesh.core.model.loader import TORCH_DTYPES, load_range
+from mesh.core.model.packed_cache import PackedCache
 from mesh.core.sampling import sample_tokens
 from mesh.core.wave import KVUsage, StationOutput, WaveEntry, decode_step_entries, decode_steps_problem, wave_rows
 from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats, StepError
@@ -66,7 +68,9 @@ class Station:
         backend = resolve_linear_backend(spec.linear_backend, self.device, self.dtype)
         self.model, self.load_report = load_range(self.model_dir, self.config, spec.start, spec.end, spec.dtype,
                                                   spec.device, keep_quantized=backend == "packed")
-        self.linear_backend = use_linear_backend(self.model, backend, self.device, self.dtype)
+        cache = (PackedCache.for_gguf(spec.packed_cache, self.model_dir)
+                 if backend == "packed" and spec.packed_cache and is_gguf(self.model_dir) else None)
+        self.linear_backend = use_linear_backend(self.model, backend, self.device, self.dtype, packed_cache=cache)
         self.fused = fuse_layers(self.model)  # every layer in one native call where all run the packed kernels
         self.kv = KVPool(self.config, spec, block_tokens)
 

@@ -192,9 +192,10 @@ cluster: {token: s3cret, station_host: 0.0.0.0, call_timeout_s: 5, shutdown_time
     assert cfg == MeshConfig(
         ray=RayConfig("auto", "prod"), model=ModelSource(preset="bench", arch="qwen2"), dtype="float16", device="cpu",
         kv_bytes=64 * 2**20, stations=(
-            StationSpec((5, 12), device="cuda", dtype="bfloat16", kv_bytes=2**30, num_gpus=1.0, num_cpus=2.0),
+            StationSpec((5, 12), device="cuda", dtype="bfloat16", kv_bytes=2**30, num_gpus=1.0, num_cpus=2.0,
+                        packed_cache="~/.cache/wavemesh/packed"),
             StationSpec((0, 5), device="cpu", dtype="float16", kv_bytes=64 * 2**20, num_gpus=0.0, num_cpus=1.0,
-                        resources=(("big_mem", 0.5), ("zone_b", 1.0)))),
+                        resources=(("big_mem", 0.5), ("zone_b", 1.0)), packed_cache="~/.cache/wavemesh/packed")),
         scheduler=SchedulerConfig(16, 256, 8, True, 32, 2, extra_waves=1),
         api=ApiConfig("0.0.0.0", 9000, "sk-test", "bench", 4),
         cluster=ClusterConfig("s3cret", "0.0.0.0", 5.0, 0.0, "/tmp/t.json", health_period_s=2.5))
@@ -209,6 +210,17 @@ def test_count_split_and_sections_left_out(tmp_path):
     assert [s.layers for s in specs] == plan_layers(8, 3, layer_weights(preset_config("small")))
     assert all(s.device == "cuda" and s.num_gpus == 1.0 and s.kv_bytes == 256 * 2**20 for s in specs)
     assert [s.layers for s in cfg.resolve(9)] == [(0, 3), (3, 6), (6, 9)]  # a bare layer count splits evenly
+
+
+def test_packed_cache_reaches_every_station_and_null_turns_it_off(tmp_path):
+    specs = load_mesh_config(_write(tmp_path, "model: {preset: tiny}\nstations: {count: 2}\n")).resolve(6)
+    assert [s.packed_cache for s in specs] == ["~/.cache/wavemesh/packed"] * 2  # the default: each node's home
+    text = "model: {preset: tiny, packed_cache: /var/cache/mesh}\nstations: [{layers: [0, 6]}]\n"
+    assert load_mesh_config(_write(tmp_path, text)).resolve(6)[0].packed_cache == "/var/cache/mesh"
+    off = load_mesh_config(_write(tmp_path, "model: {preset: tiny, packed_cache: null}\n")).resolve(6)
+    assert off[0].packed_cache == ""  # nothing kept
+    _refused(tmp_path, "model: {preset: tiny, packed_cache: ''}\n", "model.packed_cache: expected a non-empty string or null")
+    _refused(tmp_path, "model: {preset: tiny, packed_cache: 3}\n", "model.packed_cache")
 
 
 def test_no_stations_key_means_one_full_model_station(tmp_path):
@@ -241,7 +253,7 @@ def test_local_yaml_is_the_embedded_default():
     assert load_mesh_config(DEPLOY / "local.yaml") == default_mesh_config()
     d = default_mesh_config()
     assert d.ray.address is None and d.model == ModelSource(preset="smollm2-135m-instruct", arch="llama")
-    assert d.resolve(d.model.model_config()) == (StationSpec((0, 30)),)  # SmolLM2-135M: 30 layers
+    assert d.resolve(d.model.model_config()) == (StationSpec((0, 30), packed_cache="~/.cache/wavemesh/packed"),)  # 30 layers
     assert (d.api.host, d.api.port) == ("127.0.0.1", 8000)
 
 

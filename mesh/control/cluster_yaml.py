@@ -43,11 +43,16 @@ class ModelSource:
     path: str | None = None  # a Hugging Face checkpoint directory (config.json + safetensors) or a .gguf file
     preset: str | None = None  # smollm2-135m-instruct (the embedded chat model) | tiny | small | bench (synthetic)
     arch: str = "llama"  # architecture of a preset (a checkpoint's config.json names its own)
+    # where each node's stations keep the packed weights they build from a GGUF, so a restarted or re-split station
+    # maps them instead of packing again (StationSpec.packed_cache); null keeps nothing
+    packed_cache: str | None = "~/.cache/wavemesh/packed"
 
     def __post_init__(self) -> None:
         _require((self.path is None) != (self.preset is None),
                  "model: give exactly one of path or preset, got " + ("both" if self.path else "neither"))
         _require(self.path is None or (isinstance(self.path, str) and self.path != ""), "model.path: empty")
+        _require(self.packed_cache is None or (isinstance(self.packed_cache, str) and self.packed_cache != ""),
+                 "model.packed_cache: expected a directory or null, got an empty string")
         if self.preset is not None:  # listing the presets imports torch: only for a preset
             presets = _presets()
             _require(self.preset in presets, f"model.preset: unknown {self.preset!r}; choose from {', '.join(presets)}")
@@ -191,7 +196,8 @@ class MeshConfig:
     def station_defaults(self) -> dict[str, Any]:
         """The StationSpec fields every station inherits unless it says otherwise."""
         return {"device": self.device, "dtype": self.dtype, "kv_bytes": self.kv_bytes,
-                "num_gpus": 1.0 if self.device.startswith("cuda") else 0.0, "num_cpus": 1.0}
+                "num_gpus": 1.0 if self.device.startswith("cuda") else 0.0, "num_cpus": 1.0,
+                "packed_cache": self.model.packed_cache or ""}
 
     def resolve(self, model: ModelConfig | int) -> tuple[StationSpec, ...]:
         """The stations for a model of `model` layers (or this ModelConfig), sorted by start.
@@ -260,7 +266,7 @@ _KINDS = {  # kind: (check, what it expects)
 }
 _SCHEMA = {  # section: {key: kind}
     "ray": {"address": "opt_str", "namespace": "str"},
-    "model": {"path": "str", "preset": "str", "arch": "str"},
+    "model": {"path": "str", "preset": "str", "arch": "str", "packed_cache": "opt_str"},
     "scheduler": {"max_seqs": "pos_int", "max_wave_tokens": "pos_int", "max_queue": "pos_int",
                   "short_first": "bool", "short_prompt_tokens": "pos_int", "max_skips": "pos_int",
                   "extra_waves": "nonneg_int", "decode_steps": "pos_int", "prefix_cache": "bool", "hidden_path": "str",

@@ -229,8 +229,13 @@ class StationSpec:
     # which copy of this layer range (not a YAML key): a re-plan that keeps a range loads a fresh copy beside the
     # serving one, so the switch can be made before it breaks (mesh.control.cluster)
     copy: int = 0
+    # a directory (~ expanded on the station's node) where the weights a packed station builds from a GGUF are
+    # kept for the next station holding the same layers (mesh.core.model.packed_cache); "" keeps nothing
+    packed_cache: str = ""
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.packed_cache, str), f"packed_cache: expected a directory path string, got "
+                 f"{self.packed_cache!r}")
         _require(is_int(self.copy) and self.copy >= 0, f"copy: expected an integer >= 0, got {self.copy!r}")
         _require(isinstance(self.resources, tuple)
                  and all(isinstance(pair, tuple) and len(pair) == 2 for pair in self.resources),

@@ -34,6 +34,7 @@ from torch import nn
 from mesh.core.model.llama import MLP, Attention, Linear, RMSNorm
 from mesh.core.model.native import load_native
 from mesh.core.model.packed import pack_rows, pad_bias, packed_linear, use_packed_linears
+from mesh.core.model.packed_cache import PackedCache
 
 LINEAR_BACKENDS = ("auto", "aten", "onednn", "packed")
 BATCH_INVARIANT_BACKENDS = ("packed", "onednn")  # a row's bits do not depend on the other rows of its wave
@@ -164,14 +165,16 @@ def use_batch_invariant_linears(model: nn.Module) -> None:
             module.kernel = batch_invariant_linear
 
 
-def use_linear_backend(model: nn.Module, backend: str, device: torch.device, dtype: torch.dtype) -> str:
+def use_linear_backend(model: nn.Module, backend: str, device: torch.device, dtype: torch.dtype,
+                       packed_cache: PackedCache | None = None) -> str:
     """Set up every Linear of `model` for `backend` (see resolve_linear_backend); answers the backend used.
-    "packed" also moves the norms and RoPE to the native kernels (the attention context is the station's)."""
+    "packed" also moves the norms and RoPE to the native kernels (the attention context is the station's), and
+    maps or stores the packed weights in `packed_cache` where given (use_packed_linears)."""
     used = resolve_linear_backend(backend, device, dtype)
     if used != "packed" and any(isinstance(m, Linear) and m.quant_rows is not None for m in model.modules()):
         raise ValueError(f"linear_backend: {used} cannot run weights kept quantized (only packed can)")
     if used == "packed":
-        use_packed_linears(model)
+        use_packed_linears(model, packed_cache)
         use_native_layer_ops(model)
     elif used == "onednn":
         use_batch_invariant_linears(model)

@@ -9,6 +9,7 @@ gate/up fused into one weight each.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from functools import partial
 
@@ -18,6 +19,7 @@ from torch import nn
 from mesh.core.model.llama import MLP, Attention, Linear
 from mesh.core.model.quant_linear import QuantRows, linear_operands, quant_linear, repack, repacked_bytes
 from mesh.core.model.host_memory import WeightArena, aligned, tensor_bytes
+from mesh.core.model.packed_cache import PackedCache
 
 PACK_TILE = 64  # output features per packed tile (csrc/packed_linear.c: TILE_N)
 FUSED_PROJECTIONS = ((Attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
@@ -131,35 +133,57 @@ def _drop_weights(linear: Linear) -> None:
         linear.bias = nn.Parameter(torch.empty(linear.bias.shape, device="meta"), requires_grad=False)
 
 
-def use_packed_linears(model: nn.Module) -> None:
+def _cache_group(name: str) -> str:
+    """The cache entry a module's packed weight goes in: its layer ("layer12") or, outside the layers, its name."""
+    match = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", name)
+    return f"layer{match.group(1)}" if match else name.replace(".", "_")
+
+
+def use_packed_linears(model: nn.Module, cache: PackedCache | None = None) -> None:
     """Point every Linear of `model` at packed_linear (or quant_linear, for weights the loader kept quantized), its
     weight replaced by the packed copy in one WeightArena (a weight shared with the embedding is copied: the
     embedding keeps reading the dense one). q/k/v and gate/up run as one fused packed Linear each (one weight
-    stream, one call); their own modules keep only their shapes."""
-    jobs: list[tuple[Linear, WeightParts]] = []
-    for module in list(model.modules()):
+    stream, one call); their own modules keep only their shapes.
+
+    With `cache` (a GGUF's mesh.core.model.packed_cache), a layer whose packed weights are cached is mapped from
+    there instead, and the layers packed here are stored on a thread (packed_cache.wait_for_stores waits for it)."""
+    jobs: list[tuple[str, Linear, WeightParts]] = []  # (cache group, Linear, its parts)
+    for name, module in list(model.named_modules()):
         for kind, names, attr in FUSED_PROJECTIONS:
             if not isinstance(module, kind):
                 continue
-            linears = [getattr(module, name) for name in names]
+            linears = [getattr(module, part) for part in names]
             parts = _weight_parts(linears)
             if parts is None:
                 continue
             fused = _fused_linear(linears)
             setattr(module, attr, fused)
-            jobs.append((fused, parts))
+            jobs.append((_cache_group(name), fused, parts))
             for linear in linears:
                 _drop_weights(linear)
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, Linear) and module.kernel is None and (
                 module.weight.device.type != "meta" or module.quant_rows is not None):
-            jobs.append((module, _weight_parts([module])))
-    shapes = [_packed_shape(parts) for _, parts in jobs]
-    arena = WeightArena(sum(aligned(tensor_bytes(*shape)) for shape in shapes))
+            jobs.append((_cache_group(name), module, _weight_parts([module])))
+    groups: dict[str, list[int]] = {}  # the jobs of each cache group, in order
+    for i, (group, _, _) in enumerate(jobs):
+        groups.setdefault(group, []).append(i)
+    shapes = [_packed_shape(parts) for _, _, parts in jobs]
+    weights: list[torch.Tensor | None] = [None] * len(jobs)
+    if cache is not None:
+        for group, idx in groups.items():
+            for i, w in zip(idx, cache.load(group, [shapes[i] for i in idx]) or ()):
+                weights[i] = w
+    todo = [i for i, w in enumerate(weights) if w is None]
+    weights_were_packed = [w is None for w in weights]
+    arena = WeightArena(sum(aligned(tensor_bytes(*shapes[i])) for i in todo))
     try:
-        outs = [arena.take(*shape) for shape in shapes]
-        weights = [_fill(parts, out) for (_, parts), out in zip(jobs, outs)]
+        for i in todo:
+            weights[i] = _fill(jobs[i][2], arena.take(*shapes[i]))
     finally:
         arena.close()
-    for (linear, parts), weight in zip(jobs, weights):
+    for (_, linear, parts), weight in zip(jobs, weights):
         _point(linear, parts, weight)
+    packed_here = {group: [weights[i] for i in idx] for group, idx in groups.items() if weights_were_packed[idx[0]]}
+    if cache is not None and packed_here:
+        cache.store_in_background(packed_here)

@@ -1,0 +1,134 @@
+"""The node's cache of packed GGUF weights: a later station maps what an earlier one packed, with the same bits."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+import mesh.core.model.packed as packed
+from mesh.core.config import ModelConfig, StationSpec
+from mesh.core.model.gguf_write import write_gguf
+from mesh.core.model.kernels import resolve_linear_backend
+from mesh.core.model.packed_cache import MAGIC, PackedCache, wait_for_stores
+from mesh.core.model.synthetic import write_checkpoint
+from mesh.core.params import SamplingParams
+from mesh.core.wave import WaveEntry
+from station.step import Station
+
+pytestmark = pytest.mark.skipif(resolve_linear_backend("auto", torch.device("cpu"), torch.float32) != "packed",
+                                reason="the packed native kernels do not build on this machine")
+CFG = ModelConfig(arch="llama", vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=4,
+                  num_attention_heads=6, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)
+PROMPTS = [[1, 17, 300, 45, 99, 7, 250], [5, 9], [400, 3, 77]]
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("packed-cache")
+    return write_gguf(write_checkpoint(root / "tiny", CFG), root / "tiny-Q4_1.gguf", Q.Q4_1)
+
+
+@pytest.fixture
+def packed_layers(monkeypatch):
+    """The GGUF layers (their indices, "head" for the tied head) packed in this process from now on."""
+    seen: list[str] = []
+    fill = packed._fill
+
+    def counting_fill(parts, out):
+        for p in parts:
+            m = re.search(r"(?:blk|layers)\.(\d+)\.", p.name)
+            seen.append(m.group(1) if m else "head")
+        return fill(parts, out)
+    monkeypatch.setattr(packed, "_fill", counting_fill)
+    return seen
+
+
+def _station(path, layers, cache=""):
+    station = Station(path, StationSpec(layers=layers, packed_cache=str(cache)))
+    assert wait_for_stores(60)
+    return station
+
+
+def _run(stations: list[Station]) -> torch.Tensor:
+    """The prompts' last-row logits through the stations in order (a batched prefill)."""
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    entries = tuple(WaveEntry(i, 0, len(p), greedy) for i, p in enumerate(PROMPTS))
+    out = stations[0].forward(entries, token_ids=torch.tensor([t for p in PROMPTS for t in p]),
+                              want_logits=stations[0].is_last)
+    for st in stations[1:]:
+        out = st.forward(entries, hidden=out.hidden, want_logits=st.is_last)
+    return out.logits
+
+
+def test_a_later_station_maps_the_layers_an_earlier_one_packed(q4_gguf, tmp_path, packed_layers):
+    cache = tmp_path / "cache"
+    reference = _run([_station(q4_gguf, (0, 4))])  # no cache
+    first = _station(q4_gguf, (0, 4), cache)
+    entries = PackedCache.for_gguf(cache, q4_gguf).directory
+    assert sorted(p.name for p in entries.iterdir()) == sorted(
+        ["source.json", "lm_head.bin"] + [f"layer{i}.bin" for i in range(4)])
+    assert all(p.read_bytes()[:8] == MAGIC for p in entries.glob("*.bin"))
+    packed_layers.clear()
+    second = _station(q4_gguf, (0, 4), cache)
+    assert packed_layers == []  # every weight mapped, none packed
+    assert torch.equal(_run([first]), reference) and torch.equal(_run([second]), reference)
+
+
+def test_a_resplit_maps_what_is_cached_and_packs_the_rest(q4_gguf, tmp_path, packed_layers):
+    cache = tmp_path / "cache"
+    reference = _run([_station(q4_gguf, (0, 2)), _station(q4_gguf, (2, 4))])
+    _station(q4_gguf, (0, 2), cache)
+    packed_layers.clear()
+    second = _station(q4_gguf, (1, 4), cache)  # layer 1 cached; 2, 3 and the head not yet
+    assert sorted(set(packed_layers)) == ["2", "3", "head"]
+    packed_layers.clear()
+    first = _station(q4_gguf, (0, 1), cache)
+    assert packed_layers == []
+    assert torch.equal(_run([first, second]), reference)
+
+
+def test_an_entry_that_does_not_match_is_packed_again_and_replaced(q4_gguf, tmp_path, packed_layers):
+    cache, path = tmp_path / "cache", tmp_path / "model.gguf"
+    shutil.copy(q4_gguf, path)
+    reference = _run([_station(path, (0, 4), cache)])
+    entries = PackedCache.for_gguf(cache, path).directory
+    whole = (entries / "layer1.bin").stat().st_size
+    with open(entries / "layer1.bin", "r+b") as f:  # cut short
+        f.truncate(whole - 100)
+    (entries / "layer2.bin").write_bytes(b"XX" + (entries / "layer2.bin").read_bytes()[2:])  # not our magic
+    packed_layers.clear()
+    assert torch.equal(_run([_station(path, (0, 4), cache)]), reference)
+    assert sorted(set(packed_layers)) == ["1", "2"]
+    assert (entries / "layer1.bin").stat().st_size == whole and (entries / "layer2.bin").read_bytes()[:8] == MAGIC
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the GGUF changed (as far as the cache knows)
+    packed_layers.clear()
+    assert torch.equal(_run([_station(path, (0, 4), cache)]), reference)
+    assert sorted(set(packed_layers)) == ["0", "1", "2", "3", "head"]
+    assert json.loads((entries / "source.json").read_text())["mtime_ns"] == st.st_mtime_ns + 10**9
+
+
+def test_entries_of_a_gguf_that_is_gone_are_swept_and_nothing_else(q4_gguf, tmp_path):
+    cache, gone = tmp_path / "cache", tmp_path / "gone.gguf"
+    shutil.copy(q4_gguf, gone)
+    _station(gone, (0, 1), cache)
+    gone_dir = PackedCache.for_gguf(cache, gone).directory
+    gone.unlink()
+    (cache / "notes").mkdir()  # not an entry directory: left alone
+    (cache / "notes" / "keep.txt").write_text("mine")
+    _station(q4_gguf, (0, 1), cache)
+    assert not gone_dir.exists() and (cache / "notes" / "keep.txt").read_text() == "mine"
+    assert PackedCache.for_gguf(cache, q4_gguf).directory.is_dir()
+
+
+def test_an_unwritable_cache_leaves_the_station_serving(q4_gguf, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    reference = _run([_station(q4_gguf, (0, 4))])
+    assert torch.equal(_run([_station(q4_gguf, (0, 4), blocker / "cache")]), reference)
