@@ -14,7 +14,7 @@ import mesh.core.model.packed as packed
 from mesh.core.config import ModelConfig, StationSpec
 from mesh.core.model.gguf_write import write_gguf
 from mesh.core.model.kernels import resolve_linear_backend
-from mesh.core.model.packed_cache import MAGIC, PackedCache, wait_for_stores
+from mesh.core.model.packed_cache import MAGIC, ORPHAN_S, PackedCache, wait_for_stores
 from mesh.core.model.synthetic import write_checkpoint
 from mesh.core.params import SamplingParams
 from mesh.core.wave import WaveEntry
@@ -114,7 +114,7 @@ def test_an_entry_that_does_not_match_is_packed_again_and_replaced(q4_gguf, tmp_
     assert json.loads((entries / "source.json").read_text())["mtime_ns"] == st.st_mtime_ns + 10**9
 
 
-def test_entries_of_a_gguf_that_is_gone_are_swept_and_nothing_else(q4_gguf, tmp_path):
+def test_entries_of_a_gguf_that_is_gone_and_orphans_are_swept_and_nothing_else(q4_gguf, tmp_path):
     cache, gone = tmp_path / "cache", tmp_path / "gone.gguf"
     shutil.copy(q4_gguf, gone)
     _station(gone, (0, 1), cache)
@@ -122,9 +122,15 @@ def test_entries_of_a_gguf_that_is_gone_are_swept_and_nothing_else(q4_gguf, tmp_
     gone.unlink()
     (cache / "notes").mkdir()  # not an entry directory: left alone
     (cache / "notes" / "keep.txt").write_text("mine")
+    entries = PackedCache.for_gguf(cache, q4_gguf).directory
+    entries.mkdir(parents=True)
+    orphan, writing = entries / ".layer2.bin.123.456", entries / ".layer3.bin.789.10"  # a dead store's, a live one's
+    orphan.write_bytes(b"half")
+    writing.write_bytes(b"half")
+    os.utime(orphan, (orphan.stat().st_atime - 2 * ORPHAN_S, orphan.stat().st_mtime - 2 * ORPHAN_S))
     _station(q4_gguf, (0, 1), cache)
     assert not gone_dir.exists() and (cache / "notes" / "keep.txt").read_text() == "mine"
-    assert PackedCache.for_gguf(cache, q4_gguf).directory.is_dir()
+    assert (entries / "layer0.bin").is_file() and not orphan.exists() and writing.exists()
 
 
 def test_an_unwritable_cache_leaves_the_station_serving(q4_gguf, tmp_path):

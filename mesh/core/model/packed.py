@@ -170,20 +170,18 @@ def use_packed_linears(model: nn.Module, cache: PackedCache | None = None) -> No
         groups.setdefault(group, []).append(i)
     shapes = [_packed_shape(parts) for _, _, parts in jobs]
     weights: list[torch.Tensor | None] = [None] * len(jobs)
-    if cache is not None:
-        for group, idx in groups.items():
-            for i, w in zip(idx, cache.load(group, [shapes[i] for i in idx]) or ()):
-                weights[i] = w
-    todo = [i for i, w in enumerate(weights) if w is None]
-    weights_were_packed = [w is None for w in weights]
-    arena = WeightArena(sum(aligned(tensor_bytes(*shapes[i])) for i in todo))
+    for group, idx in groups.items():
+        cached = cache.load(group, [shapes[i] for i in idx]) if cache is not None else None
+        for i, w in zip(idx, cached or ()):
+            weights[i] = w
+    to_pack = {group: idx for group, idx in groups.items() if weights[idx[0]] is None}
+    arena = WeightArena(sum(aligned(tensor_bytes(*shapes[i])) for idx in to_pack.values() for i in idx))
     try:
-        for i in todo:
+        for i in (i for idx in to_pack.values() for i in idx):
             weights[i] = _fill(jobs[i][2], arena.take(*shapes[i]))
     finally:
         arena.close()
     for (_, linear, parts), weight in zip(jobs, weights):
         _point(linear, parts, weight)
-    packed_here = {group: [weights[i] for i in idx] for group, idx in groups.items() if weights_were_packed[idx[0]]}
-    if cache is not None and packed_here:
-        cache.store_in_background(packed_here)
+    if cache is not None and to_pack:
+        cache.store_in_background({group: [weights[i] for i in idx] for group, idx in to_pack.items()})

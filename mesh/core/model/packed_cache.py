@@ -12,7 +12,7 @@ source, the group, LAYOUT_VERSION and each tensor's shape and dtype), then the t
 offset from the first page after the header. An entry whose description differs in anything (the GGUF changed,
 the layout's version moved on, other shapes) is not used: the station packs afresh and replaces it. Entries are
 written to a temporary file and renamed into place, so a reader sees a whole file or none; a store also removes
-the directories of GGUFs that are gone or changed.
+the directories of GGUFs that are gone or changed, and temporary files left by a store whose process died.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from mesh.core.model.host_memory import PAGE, aligned, tensor_bytes
 MAGIC = b"WMPACKED"
 LAYOUT_VERSION = 1  # bump when quant_repack.c's or packed_linear.c's tile layout changes
 _HEAD = struct.Struct("<8sQ")  # MAGIC, the JSON description's length
+ORPHAN_S = 3600.0  # a temporary entry file this old belongs to a store whose process died: removed
 
 
 _STORES: list[threading.Thread] = []  # this process's store threads not yet seen finished
@@ -113,6 +114,7 @@ class PackedCache:
         try:
             self._sweep()
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._drop_orphans()
             (self.directory / "source.json").write_text(json.dumps(self.source, sort_keys=True))
             for group, tensors in groups.items():
                 self._write(group, tensors)
@@ -141,6 +143,16 @@ class PackedCache:
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def _drop_orphans(self) -> None:
+        """Remove temporary files a store left behind when its process died mid-write (older than ORPHAN_S)."""
+        now = time.time()
+        for tmp in self.directory.glob(".*.bin.*"):
+            try:
+                if now - tmp.stat().st_mtime > ORPHAN_S:
+                    tmp.unlink()
+            except OSError:
+                continue
 
     def _sweep(self) -> None:
         """Remove the entry directories whose source.json names a GGUF that no longer exists or is no longer the
