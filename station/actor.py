@@ -69,6 +69,12 @@ class StationActor:
             print(f"wavemesh station [{spec.start}, {spec.end}): {self.cores.reason}", file=sys.stderr, flush=True)
         on_compute_thread(torch.set_num_threads, max(1, int(spec.num_cpus)))
         self.station = Station(model_dir, spec, block_tokens)
+        if self.station.packed_cache_dir is not None:
+            done = self.station.packed_load
+            print(f"wavemesh station [{spec.start}, {spec.end}): loaded in {self.station.load_seconds:.2f} s; the "
+                  f"packed weights of {len(done.mapped)} of {len(done.mapped) + len(done.packed)} layers (the head "
+                  f"counted as one) mapped from the packed cache {self.station.packed_cache_dir}, the rest packed "
+                  f"and stored there", file=sys.stderr, flush=True)
         self.server = None
         advertised = ray.util.get_node_ip_address() if host in _WILDCARD_HOSTS else host
         # the metrics endpoint starts first, so that Info can name it; it reads the servicer's wire bytes late

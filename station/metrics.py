@@ -49,6 +49,11 @@ class _StationCollector(Collector):
         yield family(GaugeMetricFamily, "station_kv_bytes_used", "KV bytes in use.", s.kv.bytes_used)
         yield family(GaugeMetricFamily, "station_kv_bytes_total", "KV byte budget.", s.kv.bytes_total)
         yield family(GaugeMetricFamily, "station_sequences", "Sequences holding KV.", s.kv.sequences)
+        yield family(GaugeMetricFamily, "station_load_seconds", "Seconds the station's load took (weights, KV).",
+                     s.load_seconds)
+        yield family(GaugeMetricFamily, "station_packed_weights",
+                     "Layers (and head) whose packed weights were mapped from the packed cache or packed at load.",
+                     extra={"cache": s.packed_mapped, "load": s.packed_at_load}, label="source")
         wire = dict(self._wire()) if self._wire is not None else {}
         yield family(CounterMetricFamily, "station_wire_bytes", "Message bytes on the wire, by direction.",
                      extra={d: wire.get(d, 0) for d in sorted({"in", "out", *wire})}, label="direction")

@@ -20,6 +20,7 @@ from mesh.core.model.fused import fuse_layers
 from mesh.core.model.gguf_file import is_gguf
 from mesh.core.model.kernels import resolve_linear_backend, use_linear_backend
 from mesh.core.model.loader import TORCH_DTYPES, load_range
+from mesh.core.model.packed import PackedLoad
 from mesh.core.model.packed_cache import PackedCache
 from mesh.core.sampling import sample_tokens
 from mesh.core.wave import KVUsage, StationOutput, WaveEntry, decode_step_entries, decode_steps_problem, wave_rows
@@ -42,6 +43,9 @@ class StationStats:
     prefill_seconds: float
     decode_seconds: float
     kv: KVStats
+    load_seconds: float = 0.0  # the weights' load and set-up, and the KV pool's
+    packed_mapped: int = 0  # layers (and head) whose packed weights were mapped from the packed cache
+    packed_at_load: int = 0  # ... and those packed at the load
 
 
 class Station:
@@ -64,15 +68,19 @@ class Station:
         self._seconds = {"prefill": 0.0, "decode": 0.0}
 
     def _load(self, block_tokens: int) -> None:
+        started = time.perf_counter()
         spec = self.spec
         backend = resolve_linear_backend(spec.linear_backend, self.device, self.dtype)
         self.model, self.load_report = load_range(self.model_dir, self.config, spec.start, spec.end, spec.dtype,
                                                   spec.device, keep_quantized=backend == "packed")
         cache = (PackedCache.for_gguf(spec.packed_cache, self.model_dir)
                  if backend == "packed" and spec.packed_cache and is_gguf(self.model_dir) else None)
-        self.linear_backend = use_linear_backend(self.model, backend, self.device, self.dtype, packed_cache=cache)
+        self.packed_cache_dir = None if cache is None else cache.directory
+        setup = use_linear_backend(self.model, backend, self.device, self.dtype, packed_cache=cache)
+        self.linear_backend, self.packed_load = setup.backend, setup.packed or PackedLoad()
         self.fused = fuse_layers(self.model)  # every layer in one native call where all run the packed kernels
         self.kv = KVPool(self.config, spec, block_tokens)
+        self.load_seconds = time.perf_counter() - started
 
     @property
     def is_first(self) -> bool:
@@ -268,5 +276,6 @@ class Station:
     def stats(self) -> StationStats:
         """Counters and KV occupancy."""
         return StationStats(self.spec.layers, self._forwards, self._rows, self._seconds["prefill"],
-                            self._seconds["decode"], self.kv.stats())
+                            self._seconds["decode"], self.kv.stats(), self.load_seconds,
+                            len(self.packed_load.mapped), len(self.packed_load.packed))
 

@@ -1,6 +1,7 @@
 """The node's cache of packed GGUF weights: a later station maps what an earlier one packed, with the same bits."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -18,6 +19,8 @@ from mesh.core.model.packed_cache import MAGIC, ORPHAN_S, PackedCache, wait_for_
 from mesh.core.model.synthetic import write_checkpoint
 from mesh.core.params import SamplingParams
 from mesh.core.wave import WaveEntry
+from mesh.core.compute import on_compute_thread
+from station.actor import StationActor
 from station.step import Station
 
 pytestmark = pytest.mark.skipif(resolve_linear_backend("auto", torch.device("cpu"), torch.float32) != "packed",
@@ -74,9 +77,12 @@ def test_a_later_station_maps_the_layers_an_earlier_one_packed(q4_gguf, tmp_path
     assert sorted(p.name for p in entries.iterdir()) == sorted(
         ["source.json", "lm_head.bin"] + [f"layer{i}.bin" for i in range(4)])
     assert all(p.read_bytes()[:8] == MAGIC for p in entries.glob("*.bin"))
+    assert (first.stats().packed_mapped, first.stats().packed_at_load) == (0, 5)  # 4 layers and the head
     packed_layers.clear()
     second = _station(q4_gguf, (0, 4), cache)
     assert packed_layers == []  # every weight mapped, none packed
+    assert (second.stats().packed_mapped, second.stats().packed_at_load) == (5, 0)
+    assert second.packed_load.mapped == ("layer0", "layer1", "layer2", "layer3", "lm_head")
     assert torch.equal(_run([first]), reference) and torch.equal(_run([second]), reference)
 
 
@@ -131,6 +137,22 @@ def test_entries_of_a_gguf_that_is_gone_and_orphans_are_swept_and_nothing_else(q
     _station(q4_gguf, (0, 1), cache)
     assert not gone_dir.exists() and (cache / "notes" / "keep.txt").read_text() == "mine"
     assert (entries / "layer0.bin").is_file() and not orphan.exists() and writing.exists()
+
+
+def test_a_station_process_says_what_it_mapped(q4_gguf, tmp_path, capfd):
+    threads = on_compute_thread(torch.get_num_threads)  # the actor pins its threads: given back below
+    spec = StationSpec(layers=(0, 2), packed_cache=str(tmp_path / "cache"))
+    try:
+        for _ in range(2):
+            StationActor(str(q4_gguf), spec).shutdown(0)
+            assert wait_for_stores(60)
+    finally:
+        on_compute_thread(torch.set_num_threads, threads)
+        gc.unfreeze()  # a station process keeps what its start froze; this test process need not
+    said = [line for line in capfd.readouterr().err.splitlines() if "packed cache" in line]
+    assert len(said) == 2 and all(line.startswith("wavemesh station [0, 2): loaded in ") for line in said), said
+    assert "0 of 2 layers" in said[0] and "2 of 2 layers" in said[1]
+    assert str(PackedCache.for_gguf(tmp_path / "cache", q4_gguf).directory) in said[1]
 
 
 def test_an_unwritable_cache_leaves_the_station_serving(q4_gguf, tmp_path):

@@ -52,6 +52,11 @@ def test_station_actor_serves_metrics_with_wire_bytes(tiny_llama, actors):
     lab0 = (("layers", "0-2"), ("station", "s0"))
     assert before[("wavemesh_station_wire_bytes_total", tuple(sorted(lab0 + (("direction", "in"),))))] == 0
     assert before[("wavemesh_station_kv_bytes_total", lab0)] == 16 * 2**20
+    assert before[("wavemesh_station_load_seconds", lab0)] == pytest.approx(first.station.load_seconds)
+    assert first.station.load_seconds > 0
+    packed = {src: before[("wavemesh_station_packed_weights", tuple(sorted(lab0 + (("source", src),))))]
+              for src in ("cache", "load")}
+    assert packed == {"cache": 0, "load": len(first.station.packed_load.packed)}  # safetensors: no packed cache
     engine = Engine(links, cfg, SchedulerConfig(max_seqs=4, max_wave_tokens=64))
     try:
         out = engine.submit([1, 5, 9, 13], SamplingParams(max_tokens=5, ignore_eos=True)).result(timeout=60)[0]

@@ -24,6 +24,7 @@ else F.linear.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 from typing import Callable
 
@@ -33,7 +34,7 @@ from torch import nn
 
 from mesh.core.model.llama import MLP, Attention, Linear, RMSNorm
 from mesh.core.model.native import load_native
-from mesh.core.model.packed import pack_rows, pad_bias, packed_linear, use_packed_linears
+from mesh.core.model.packed import PackedLoad, pack_rows, pad_bias, packed_linear, use_packed_linears
 from mesh.core.model.packed_cache import PackedCache
 
 LINEAR_BACKENDS = ("auto", "aten", "onednn", "packed")
@@ -165,22 +166,31 @@ def use_batch_invariant_linears(model: nn.Module) -> None:
             module.kernel = batch_invariant_linear
 
 
+@dataclass(frozen=True, slots=True)
+class LinearSetup:
+    """What use_linear_backend did: the backend used, and for "packed" where the packed weights came from."""
+
+    backend: str
+    packed: PackedLoad | None = None
+
+
 def use_linear_backend(model: nn.Module, backend: str, device: torch.device, dtype: torch.dtype,
-                       packed_cache: PackedCache | None = None) -> str:
-    """Set up every Linear of `model` for `backend` (see resolve_linear_backend); answers the backend used.
-    "packed" also moves the norms and RoPE to the native kernels (the attention context is the station's), and
-    maps or stores the packed weights in `packed_cache` where given (use_packed_linears)."""
+                       packed_cache: PackedCache | None = None) -> LinearSetup:
+    """Set up every Linear of `model` for `backend` (see resolve_linear_backend). "packed" also moves the norms
+    and RoPE to the native kernels (the attention context is the station's), and maps or stores the packed weights
+    in `packed_cache` where given (use_packed_linears)."""
     used = resolve_linear_backend(backend, device, dtype)
     if used != "packed" and any(isinstance(m, Linear) and m.quant_rows is not None for m in model.modules()):
         raise ValueError(f"linear_backend: {used} cannot run weights kept quantized (only packed can)")
     if used == "packed":
-        use_packed_linears(model, packed_cache)
+        packed = use_packed_linears(model, packed_cache)
         use_native_layer_ops(model)
-    elif used == "onednn":
+        return LinearSetup(used, packed)
+    if used == "onednn":
         use_batch_invariant_linears(model)
     else:
         use_linear_kernel(model, None)
-    return used
+    return LinearSetup(used)
 
 
 def use_linear_kernel(model: torch.nn.Module, kernel: LinearKernel | None) -> None:

@@ -10,6 +10,7 @@ gate/up fused into one weight each.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from collections.abc import Sequence
 from functools import partial
 
@@ -139,14 +140,24 @@ def _cache_group(name: str) -> str:
     return f"layer{match.group(1)}" if match else name.replace(".", "_")
 
 
-def use_packed_linears(model: nn.Module, cache: PackedCache | None = None) -> None:
+@dataclass(frozen=True, slots=True)
+class PackedLoad:
+    """Where a model's packed weights came from, by cache group (layer12, lm_head): mapped from the packed cache or
+    packed at this load."""
+
+    mapped: tuple[str, ...] = ()
+    packed: tuple[str, ...] = ()
+
+
+def use_packed_linears(model: nn.Module, cache: PackedCache | None = None) -> PackedLoad:
     """Point every Linear of `model` at packed_linear (or quant_linear, for weights the loader kept quantized), its
     weight replaced by the packed copy in one WeightArena (a weight shared with the embedding is copied: the
     embedding keeps reading the dense one). q/k/v and gate/up run as one fused packed Linear each (one weight
     stream, one call); their own modules keep only their shapes.
 
     With `cache` (a GGUF's mesh.core.model.packed_cache), a layer whose packed weights are cached is mapped from
-    there instead, and the layers packed here are stored on a thread (packed_cache.wait_for_stores waits for it)."""
+    there instead, and the layers packed here are stored on a thread (packed_cache.wait_for_stores waits for it).
+    Answers which groups were mapped and which packed."""
     jobs: list[tuple[str, Linear, WeightParts]] = []  # (cache group, Linear, its parts)
     for name, module in list(model.named_modules()):
         for kind, names, attr in FUSED_PROJECTIONS:
@@ -185,3 +196,4 @@ def use_packed_linears(model: nn.Module, cache: PackedCache | None = None) -> No
         _point(linear, parts, weight)
     if cache is not None and to_pack:
         cache.store_in_background({group: [weights[i] for i in idx] for group, idx in to_pack.items()})
+    return PackedLoad(tuple(g for g in groups if g not in to_pack), tuple(to_pack))
