@@ -13,6 +13,9 @@ offset from the first page after the header. An entry whose description differs 
 the layout's version moved on, other shapes) is not used: the station packs afresh and replaces it. Entries are
 written to a temporary file and renamed into place, so a reader sees a whole file or none; a store also removes
 the directories of GGUFs that are gone or changed, and temporary files left by a store whose process died.
+Mapped weights are the page cache's, as a memory-mapped checkpoint's are: under memory pressure the kernel may drop
+them and read them again. The entries are trusted as the checkpoint is: their bytes carry no checksum (checking one
+would read every byte at the load the cache exists to avoid); delete the directory to drop them.
 """
 from __future__ import annotations
 
