@@ -10,8 +10,8 @@ gate/up fused into one weight each.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import torch
