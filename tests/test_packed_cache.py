@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -160,3 +161,26 @@ def test_an_unwritable_cache_leaves_the_station_serving(q4_gguf, tmp_path):
     blocker.write_text("not a directory")
     reference = _run([_station(q4_gguf, (0, 4))])
     assert torch.equal(_run([_station(q4_gguf, (0, 4), blocker / "cache")]), reference)
+
+
+def test_corrupt_entries_never_raise_and_are_packed_again(q4_gguf, tmp_path, packed_layers):
+    """Random damage to an entry's header or length (bounded: 24 cases) falls back to packing, never an error."""
+    cache = tmp_path / "cache"
+    reference = _run([_station(q4_gguf, (0, 4), cache)])
+    entry = PackedCache.for_gguf(cache, q4_gguf).directory / "layer0.bin"
+    good = entry.read_bytes()
+    rng = np.random.default_rng(7)
+    for case in range(24):
+        bad = bytearray(good)
+        if case % 3 == 0:  # a byte of the magic, the length or the description changed
+            at = int(rng.integers(0, 16 + 64))
+            bad[at] ^= int(rng.integers(1, 256))
+        elif case % 3 == 1:  # cut anywhere, the header included
+            bad = bad[:int(rng.integers(0, len(bad)))]
+        else:  # garbage of a random length
+            bad = bytearray(rng.integers(0, 256, int(rng.integers(0, 4096)), dtype=np.uint8).tobytes())
+        entry.write_bytes(bytes(bad))
+        packed_layers.clear()
+        assert torch.equal(_run([_station(q4_gguf, (0, 4), cache)]), reference), case
+        assert packed_layers and set(packed_layers) == {"0"}, case  # packed again ...
+        assert entry.read_bytes() == good, case  # ... and the entry rewritten whole
