@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,6 +14,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 import mesh.core.model.packed as packed
+import mesh.core.model.packed_cache as packed_cache
+from mesh.core.compute import on_compute_thread
 from mesh.core.config import ModelConfig, StationSpec
 from mesh.core.model.gguf_write import write_gguf
 from mesh.core.model.kernels import resolve_linear_backend
@@ -20,7 +23,6 @@ from mesh.core.model.packed_cache import MAGIC, ORPHAN_S, PackedCache, wait_for_
 from mesh.core.model.synthetic import write_checkpoint
 from mesh.core.params import SamplingParams
 from mesh.core.wave import WaveEntry
-from mesh.core.compute import on_compute_thread
 from station.actor import StationActor
 from station.step import Station
 
@@ -184,3 +186,14 @@ def test_corrupt_entries_never_raise_and_are_packed_again(q4_gguf, tmp_path, pac
         assert torch.equal(_run([_station(q4_gguf, (0, 4), cache)]), reference), case
         assert packed_layers and set(packed_layers) == {"0"}, case  # packed again ...
         assert entry.read_bytes() == good, case  # ... and the entry rewritten whole
+
+
+def test_a_store_that_would_nearly_fill_the_disk_writes_nothing(q4_gguf, tmp_path, monkeypatch, capfd):
+    cache = tmp_path / "cache"
+    total = 100 * 2**30
+    free = SimpleNamespace(total=total, used=total - 2**30, free=10 * 2**30 + 1024)  # 10% free and 1 KiB
+    monkeypatch.setattr(packed_cache.shutil, "disk_usage", lambda path: free)
+    reference = _run([_station(q4_gguf, (0, 4))])
+    assert torch.equal(_run([_station(q4_gguf, (0, 4), cache)]), reference)  # serves all the same
+    assert list(PackedCache.for_gguf(cache, q4_gguf).directory.glob("*.bin")) == []
+    assert "not stored" in capfd.readouterr().err

@@ -25,6 +25,7 @@ import mmap
 import os
 import shutil
 import struct
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ MAGIC = b"WMPACKED"
 LAYOUT_VERSION = 1  # bump when quant_repack.c's or packed_linear.c's tile layout changes
 _HEAD = struct.Struct("<8sQ")  # MAGIC, the JSON description's length
 ORPHAN_S = 3600.0  # a temporary entry file this old belongs to a store whose process died: removed
+MIN_FREE_FRACTION = 0.10  # a store that would leave less of its disk free than this writes nothing
 
 
 _STORES: list[threading.Thread] = []  # this process's store threads not yet seen finished
@@ -113,11 +115,21 @@ class PackedCache:
 
     def store(self, groups: dict[str, list[torch.Tensor]]) -> None:
         """Write each group's packed tensors as its entry (replacing any), after removing the entries of GGUFs that
-        are gone or changed. Errors (a full disk, no permission) leave the cache without these entries."""
+        are gone or changed; nothing where the disk would be left with less than MIN_FREE_FRACTION of it free
+        (the cache never fills a disk). Errors (no permission, a full disk all the same) leave the cache without
+        these entries."""
         try:
             self._sweep()
             self.directory.mkdir(parents=True, exist_ok=True)
             self._drop_orphans()
+            need = sum(_data_start(4096) + sum(aligned(t.numel() * t.element_size()) for t in ts)
+                       for ts in groups.values())
+            usage = shutil.disk_usage(self.directory)
+            if usage.free - need < MIN_FREE_FRACTION * usage.total:
+                print(f"wavemesh packed cache: {need / 2**20:.0f} MiB not stored under {self.directory}: the disk "
+                      f"would keep less than {MIN_FREE_FRACTION:.0%} free ({usage.free / 2**30:.1f} GiB free of "
+                      f"{usage.total / 2**30:.1f})", file=sys.stderr, flush=True)
+                return
             (self.directory / "source.json").write_text(json.dumps(self.source, sort_keys=True))
             for group, tensors in groups.items():
                 self._write(group, tensors)
