@@ -219,8 +219,27 @@ def test_packed_cache_reaches_every_station_and_null_turns_it_off(tmp_path):
     assert load_mesh_config(_write(tmp_path, text)).resolve(6)[0].packed_cache == "/var/cache/mesh"
     off = load_mesh_config(_write(tmp_path, "model: {preset: tiny, packed_cache: null}\n")).resolve(6)
     assert off[0].packed_cache == ""  # nothing kept
-    _refused(tmp_path, "model: {preset: tiny, packed_cache: ''}\n", "model.packed_cache: expected a non-empty string or null")
+    _refused(tmp_path, "model: {preset: tiny, packed_cache: ''}\n",
+             "model.packed_cache: expected a non-empty string or null")
     _refused(tmp_path, "model: {preset: tiny, packed_cache: 3}\n", "model.packed_cache")
+
+
+def test_wavemesh_cache_moves_the_default_packed_cache_only(tmp_path, monkeypatch):
+    from mesh.control.cli import _load_config
+
+    monkeypatch.setenv("WAVEMESH_CACHE", str(tmp_path / "wm"))
+    moved = str(tmp_path / "wm" / "packed")
+    for stations in ("{count: 2}", "[{layers: [0, 6]}]"):
+        text = f"model: {{preset: tiny}}\nstations: {stations}\n"
+        cfg = _load_config(str(_write(tmp_path, text)))
+        assert cfg.model.packed_cache == moved and {s.packed_cache for s in cfg.resolve(6)} == {moved}
+    assert _load_config(None).model.packed_cache == moved  # the embedded default too
+    own = "model: {preset: tiny, packed_cache: /srv/packed}\nstations: [{layers: [0, 6]}]\n"
+    assert _load_config(str(_write(tmp_path, own))).resolve(6)[0].packed_cache == "/srv/packed"  # the YAML's own
+    off = _load_config(str(_write(tmp_path, "model: {preset: tiny, packed_cache: null}\n")))
+    assert off.model.packed_cache is None and off.resolve(6)[0].packed_cache == ""
+    monkeypatch.delenv("WAVEMESH_CACHE")
+    assert _load_config(None).model.packed_cache == "~/.cache/wavemesh/packed"
 
 
 def test_no_stations_key_means_one_full_model_station(tmp_path):
@@ -253,7 +272,8 @@ def test_local_yaml_is_the_embedded_default():
     assert load_mesh_config(DEPLOY / "local.yaml") == default_mesh_config()
     d = default_mesh_config()
     assert d.ray.address is None and d.model == ModelSource(preset="smollm2-135m-instruct", arch="llama")
-    assert d.resolve(d.model.model_config()) == (StationSpec((0, 30), packed_cache="~/.cache/wavemesh/packed"),)  # 30 layers
+    want = StationSpec((0, 30), packed_cache="~/.cache/wavemesh/packed")  # SmolLM2-135M: 30 layers
+    assert d.resolve(d.model.model_config()) == (want,)
     assert (d.api.host, d.api.port) == ("127.0.0.1", 8000)
 
 

@@ -1,7 +1,8 @@
 """`mesh` command line: up, down, status, scale, add-station, chat, generate, bench, init-model.
 
 Environment is read here, at the edge, and nowhere deeper: WAVEMESH_CACHE names
-where the embedded default model is written (default ~/.cache/wavemesh).
+where the embedded default model is written (default ~/.cache/wavemesh), and where stations keep packed GGUF
+weights unless the YAML names its own `model.packed_cache`.
 """
 from __future__ import annotations
 
@@ -119,9 +120,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _load_config(path: str | None):
-    from mesh.control.cluster_yaml import default_mesh_config, load_mesh_config
+    """The cluster YAML (or the embedded default); where WAVEMESH_CACHE is set, a default `model.packed_cache` moves
+    under it with the rest of the cache."""
+    from mesh.control.cluster_yaml import DEFAULT_PACKED_CACHE, default_mesh_config, load_mesh_config
 
-    return load_mesh_config(path) if path else default_mesh_config()
+    config = load_mesh_config(path) if path else default_mesh_config()
+    if "WAVEMESH_CACHE" in os.environ and config.model.packed_cache == DEFAULT_PACKED_CACHE:
+        config = config.with_packed_cache(str(_cache_dir().parent / "packed"))
+    return config
 
 
 def _model_dir_of(config) -> Path:

@@ -36,6 +36,10 @@ def _presets() -> tuple[str, ...]:
     return (*PRESETS, SMOLLM2)
 
 
+# model.packed_cache unless the YAML names one (`mesh up` moves it to $WAVEMESH_CACHE/packed where that is set)
+DEFAULT_PACKED_CACHE = "~/.cache/wavemesh/packed"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSource:
     """Where the model comes from: a checkpoint directory or GGUF file, or a built-in preset (exactly one)."""
@@ -45,7 +49,7 @@ class ModelSource:
     arch: str = "llama"  # architecture of a preset (a checkpoint's config.json names its own)
     # where each node's stations keep the packed weights they build from a GGUF, so a restarted or re-split station
     # maps them instead of packing again (StationSpec.packed_cache); null keeps nothing
-    packed_cache: str | None = "~/.cache/wavemesh/packed"
+    packed_cache: str | None = DEFAULT_PACKED_CACHE
 
     def __post_init__(self) -> None:
         _require((self.path is None) != (self.preset is None),
@@ -227,6 +231,12 @@ class MeshConfig:
     def with_stations(self, specs) -> MeshConfig:
         """A new MeshConfig with these explicit stations in place of the current ones (or count)."""
         return replace(self, stations=tuple(specs), station_count=None)
+
+    def with_packed_cache(self, directory: str | None) -> MeshConfig:
+        """A new MeshConfig whose model.packed_cache, and every explicit station's, is `directory` (None: off)."""
+        stations = None if self.stations is None else tuple(
+            replace(s, packed_cache=directory or "") for s in self.stations)
+        return replace(self, model=replace(self.model, packed_cache=directory), stations=stations)
 
 
 def default_mesh_config() -> MeshConfig:
