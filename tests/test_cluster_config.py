@@ -222,6 +222,8 @@ def test_packed_cache_reaches_every_station_and_null_turns_it_off(tmp_path):
     _refused(tmp_path, "model: {preset: tiny, packed_cache: ''}\n",
              "model.packed_cache: expected a non-empty string or null")
     _refused(tmp_path, "model: {preset: tiny, packed_cache: 3}\n", "model.packed_cache")
+    with pytest.raises(ConfigError, match="model.packed_cache: expected a directory or null, got 3"):
+        ModelSource(preset="tiny", packed_cache=3)  # built directly, past the YAML's own check
 
 
 def test_wavemesh_cache_moves_the_default_packed_cache_only(tmp_path, monkeypatch):

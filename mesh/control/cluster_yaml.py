@@ -56,7 +56,7 @@ class ModelSource:
                  "model: give exactly one of path or preset, got " + ("both" if self.path else "neither"))
         _require(self.path is None or (isinstance(self.path, str) and self.path != ""), "model.path: empty")
         _require(self.packed_cache is None or (isinstance(self.packed_cache, str) and self.packed_cache != ""),
-                 "model.packed_cache: expected a directory or null, got an empty string")
+                 f"model.packed_cache: expected a directory or null, got {self.packed_cache!r}")
         if self.preset is not None:  # listing the presets imports torch: only for a preset
             presets = _presets()
             _require(self.preset in presets, f"model.preset: unknown {self.preset!r}; choose from {', '.join(presets)}")

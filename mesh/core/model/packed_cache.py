@@ -68,6 +68,11 @@ def _data_start(header_bytes: int) -> int:
     return -(-(_HEAD.size + header_bytes) // PAGE) * PAGE
 
 
+def _entry_bytes(header_bytes: int, shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """The size of an entry whose description is `header_bytes` long, holding tensors of these shapes."""
+    return _data_start(header_bytes) + sum(aligned(tensor_bytes(*s)) for s in shapes)
+
+
 @dataclass(frozen=True, slots=True)
 class PackedCache:
     """The cache entries of one GGUF under `root`."""
@@ -99,8 +104,7 @@ class PackedCache:
                 magic, n = _HEAD.unpack(f.read(_HEAD.size))
                 if magic != MAGIC or n != len(want) or f.read(n) != want:
                     return None
-                start = _data_start(n)
-                total = start + sum(aligned(tensor_bytes(*s)) for s in shapes)
+                start, total = _data_start(n), _entry_bytes(n, shapes)
                 if os.fstat(f.fileno()).st_size != total:
                     return None
                 region = mmap.mmap(f.fileno(), total, access=mmap.ACCESS_COPY)  # private: never written back
@@ -122,8 +126,8 @@ class PackedCache:
             self._sweep()
             self.directory.mkdir(parents=True, exist_ok=True)
             self._drop_orphans()
-            need = sum(_data_start(4096) + sum(aligned(t.numel() * t.element_size()) for t in ts)
-                       for ts in groups.values())
+            shapes = {group: [(tuple(t.shape), t.dtype) for t in ts] for group, ts in groups.items()}
+            need = sum(_entry_bytes(len(self._describe(group, s)), s) for group, s in shapes.items())
             usage = shutil.disk_usage(self.directory)
             if usage.free - need < MIN_FREE_FRACTION * usage.total:
                 print(f"wavemesh packed cache: {need / 2**20:.0f} MiB not stored under {self.directory}: the disk "
