@@ -88,6 +88,11 @@ class TimedLink(RemoteLink):
         return reply.output
 
 
+def relay_flags(args: argparse.Namespace) -> list[str]:
+    """The station processes' relay flags: direct hops over relay links (the default) or as gRPC calls."""
+    return [] if args.relay == "link" else ["--no-relay-link"]
+
+
 def start_stations(ranges, extra: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
     """One station process per layer range (bench/sim_station.py); returns the processes and their addresses."""
     script = Path(__file__).resolve().parent / "sim_station.py"
@@ -197,7 +202,7 @@ def simulated(args) -> list[dict]:
         device_ms = 1000 * sum(sim.station_seconds(b - a, args.k) for a, b in ranges)  # a K-row step, every station
         procs, addresses = start_stations(ranges, ["--wave-ms", str(args.wave_ms), "--hidden", str(args.hidden),
                                                    "--num-layers", str(args.num_layers),
-                                                   "--workers", str(2 * p + 8)])
+                                                   "--workers", str(2 * p + 8), *relay_flags(args)])
         try:
             prompts = [[1 + i % 1000] for i in range(args.k * p)]
             for path in (["hub"] if p == 1 else args.paths):
@@ -226,7 +231,8 @@ def real(args) -> list[dict]:
     for n in args.real_stations:
         threads = max(1, (os.cpu_count() or 1) // n)
         ranges = plan_layers(cfg.num_hidden_layers, n)
-        procs, addresses = start_stations(ranges, ["--model", str(model_dir), "--threads", str(threads)])
+        procs, addresses = start_stations(ranges, ["--model", str(model_dir), "--threads", str(threads),
+                                                   *relay_flags(args)])
         try:
             for k in args.real_k:
                 prompts = [[1] + [(97 * i + 13 * j) % (cfg.vocab_size - 3) + 3 for j in range(31)] for i in range(k)]
@@ -258,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="scheduler.decode_steps: decode steps per wave call once only decodes run")
     p.add_argument("--real-stations", type=ints, default=[2, 3])
     p.add_argument("--real-k", type=ints, default=[16, 32])
+    p.add_argument("--relay", choices=("link", "grpc"), default="link",
+                   help="how the direct path's hops travel: relay links (station/relay_link.py) or gRPC calls")
     p.add_argument("--skip-sim", action="store_true")
     p.add_argument("--skip-real", action="store_true")
     p.add_argument("--quick", action="store_true", help="a smoke run: small shapes, the tiny model")

@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-layers", type=int, default=80)
     p.add_argument("--model", help="real compute: a checkpoint dir (the station loads it), not a simulation")
     p.add_argument("--threads", type=int, default=1, help="torch threads of a real station")
+    p.add_argument("--no-relay-link", action="store_true", help="relays as gRPC Forward calls (for comparison)")
     args = p.parse_args(argv)
     from mesh.core.compute import on_compute_thread
     from station.server import ServerLimits, start_server
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         station = SimulatedStation(SimModel(num_layers=args.num_layers, hidden_size=args.hidden,
                                             wave_s=args.wave_ms / 1000), (a, b))
     limits = ServerLimits(max_workers=args.workers, max_pending=args.workers // 2)
-    server = start_server(station, limits=limits, token=args.token)
+    server = start_server(station, limits=limits, token=args.token, relay_link=not args.no_relay_link)
     print(server.address, flush=True)
     sys.stdin.read()  # serve until the benchmark closes our stdin (or dies)
     server.stop(0)

@@ -14,6 +14,7 @@ from mesh.core.transport import check_token
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Station"].full_name  # "wavemesh.v1.Station"
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # method prefixes served without the cluster token
 FORWARD_METHOD = f"/{SERVICE_NAME}/Forward"
+INFO_METHOD = f"/{SERVICE_NAME}/Info"
 
 
 class WireBytes:

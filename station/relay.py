@@ -19,6 +19,10 @@ samples travel back through every station (a few bytes per entry).
 Calls to a successor carry this station's cluster token and mutual-TLS certificate, the same
 credentials the orchestrator's calls carry, so every hop is authenticated. Only callers holding the
 token can name a successor, so a station dials no address a stranger chose.
+
+A call goes over the successor's relay link (station.relay_link: the same messages framed on plain TCP or
+TLS, half a gRPC call's latency and CPU for a MiB of rows) where its Info names one, else as a gRPC Forward
+call. The link's address is asked for once per successor and forgotten when the link becomes unreachable.
 """
 from __future__ import annotations
 
@@ -35,9 +39,16 @@ from mesh.core.transport import StationTls, bearer_metadata
 from mesh.core.wave import StationOutput, WaveEntry, decode_step_entries, decode_steps_problem
 from mesh.core.wire import WireError, entries_to_proto, proto_to_samples, tensor_to_proto
 from station.client import station_channel
-from station.interceptors import FORWARD_METHOD, WireBytes
+from station.interceptors import FORWARD_METHOD, INFO_METHOD, WireBytes
+from station.relay_link import LinkError, RelayLinkClient
 
 StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor], tuple[StationOutput, pb.KVUsage]]
+
+
+def link_host(address: str) -> str:
+    """The host of a `host:port` address (an IPv6 host without its brackets): where its relay link listens."""
+    host = address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 class RelayError(RuntimeError):
@@ -53,9 +64,13 @@ class Successors:
     `max_channels`), with this station's own token and TLS material."""
 
     def __init__(self, token: str | None, tls: StationTls | None, max_message_bytes: int, wire: WireBytes,
-                 default_timeout_s: float = 30.0, max_channels: int = 16) -> None:
+                 default_timeout_s: float = 30.0, max_channels: int = 16, use_links: bool = True) -> None:
         """`wire`: where the bytes of relayed requests ("out") and their answers ("in") are counted (the station's
-        own Forward counts)."""
+        own Forward counts); `use_links`: relay over a successor's relay link where it offers one
+        (station.relay_link), else always as gRPC Forward calls."""
+        self._token = token
+        self._use_links = use_links
+        self._links: dict[str, RelayLinkClient | None] = {}  # by gRPC address; None: that station offers no link
         self._metadata = bearer_metadata(token)
         self._wire = wire
         self._tls = tls
@@ -77,8 +92,58 @@ class Successors:
             self._stubs[address] = (channel, channel.unary_unary(FORWARD_METHOD, request_serializer=serialize,
                                                                  response_deserializer=parse))
             while len(self._stubs) > self._max_channels:
-                self._stubs.popitem(last=False)[1][0].close()
+                evicted, (channel, _) = self._stubs.popitem(last=False)
+                channel.close()
+                self._drop_link(evicted)
             return self._stubs[address][1]
+
+    def _drop_link(self, address: str) -> None:
+        """Forget the relay link of `address` (closed; asked for again on the next call). Holds self._lock."""
+        if (link := self._links.pop(address, None)) is not None:
+            link.close()
+
+    def _link(self, address: str, timeout: float) -> RelayLinkClient | None:
+        """The relay link of the station at `address`, asked for once (its Info's relay_port); None where it
+        offers none or this station does not use links."""
+        if not self._use_links:
+            return None
+        with self._lock:
+            if address in self._links:
+                return self._links[address]
+            channel = self._stubs[address][0] if address in self._stubs else None
+        if channel is None:
+            self._forward(address)
+            with self._lock:
+                channel = self._stubs[address][0]
+        info = channel.unary_unary(INFO_METHOD, request_serializer=pb.InfoRequest.SerializeToString,
+                                   response_deserializer=pb.InfoReply.FromString)
+        port = info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata).relay_port
+        link = (RelayLinkClient(link_host(address), port, token=self._token, tls=self._tls,
+                                max_message_bytes=self._max_message_bytes, wire=self._wire) if port else None)
+        with self._lock:
+            if address in self._links:  # another wave asked at the same time
+                if link is not None:
+                    link.close()
+                return self._links[address]
+            self._links[address] = link
+            return link
+
+    def _call(self, address: str, request: pb.ForwardRequest, timeout: float) -> pb.ForwardReply:
+        """Forward `request` to the station at `address` over its relay link or gRPC; RelayError on failure."""
+        try:
+            link = self._link(address, timeout)
+            if link is None:
+                return self._forward(address)(request, timeout=timeout, metadata=self._metadata)
+            return link.forward(request, timeout)
+        except LinkError as err:
+            if err.code == grpc.StatusCode.UNAVAILABLE:
+                with self._lock:
+                    self._drop_link(address)
+            raise RelayError(err.code, f"relay to {address}: {err}") from None
+        except grpc.RpcError as err:
+            raise RelayError(err.code(), f"relay to {address}: {err.details() or err.code().name}") from None
+        except ValueError as err:  # the channel was closed under us (evicted)
+            raise RelayError(grpc.StatusCode.UNAVAILABLE, f"relay to {address}: {err}") from None
 
     def relay(self, wave_id: int, entries: Sequence[pb.Entry], relay_to: tuple[str, ...], out: StationOutput,
               kv: pb.KVUsage, time_left_s: float | None) -> pb.ForwardReply:
@@ -93,12 +158,7 @@ class Successors:
         tensor_to_proto(out.hidden, into=onward.hidden)
         timeout = self._default_timeout_s if time_left_s is None else max(0.0, time_left_s)
         t0 = time.perf_counter()
-        try:
-            answer = self._forward(successor)(onward, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise RelayError(err.code(), f"relay to {successor}: {err.details() or err.code().name}") from None
-        except ValueError as err:  # the channel was closed under us (evicted)
-            raise RelayError(grpc.StatusCode.UNAVAILABLE, f"relay to {successor}: {err}") from None
+        answer = self._call(successor, onward, timeout)
         hop = pb.RelayHop(address=successor, kv=answer.kv, forward_seconds=answer.forward_seconds,
                           served_seconds=answer.served_seconds, call_seconds=time.perf_counter() - t0)
         reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv, relayed=[hop, *answer.relayed])
@@ -152,3 +212,5 @@ class Successors:
             for channel, _ in self._stubs.values():
                 channel.close()
             self._stubs.clear()
+            for address in list(self._links):
+                self._drop_link(address)

@@ -20,6 +20,10 @@ UNAUTHENTICATED, before the request is decoded. Only the standard health service
 secret; it tells nothing but SERVING / NOT_SERVING. With `tls=StationTls(...)` the
 port speaks mutual TLS (client certificates required, health included); the token
 may be used with or without it. The server binds only `host` (default loopback).
+
+Beside the gRPC port, a station serves a relay link (station.relay_link, its port in
+InfoReply.relay_port) on the same host: the same Forward for waves relayed by the
+station before it, with the same token, mTLS and status codes.
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ from station.interceptors import SERVICE_NAME, CountForwardBytes, StrictDecode, 
 from station.kv import KVBudgetError
 from station.probe import HealthProbe, ProbeConfig
 from station.relay import RelayError, Successors
+from station.relay_link import RelayLinkServer
 from station.step import Station, StepError
 
 log = logging.getLogger(__name__)
@@ -106,6 +111,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
         self._pending = threading.BoundedSemaphore(limits.max_pending)
         self._positions_per_block: int | None = None
         self.wire = wire  # Forward bytes, relays to the next station included (/metrics)
+        self.relay_port = 0  # the port of this station's relay link (start_server sets it), 0: none
 
     def _exclusive(self, fn: Callable[[], _R]) -> _R:
         """Run fn holding the station lock; refuse with StationBusy when max_pending calls already wait."""
@@ -135,15 +141,8 @@ class StationServicer(station_pb2_grpc.StationServicer):
         """Run fn; map a failure to its status code and abort the call (the server goes on)."""
         try:
             return fn()
-        except (WireError, StepError) as err:
-            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(err)
-        except (KVBudgetError, StationBusy) as err:
-            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
-        except RelayError as err:  # the successor's own status, handed on
-            code, message = err.code, str(err)
-        except Exception as err:  # a bug must cost one call, not the server
-            log.exception("%s failed unexpectedly", method)
-            code, message = grpc.StatusCode.INTERNAL, f"{method}: {type(err).__name__}: {err}"
+        except Exception as err:  # noqa: BLE001 - failure_status maps every class, a bug to INTERNAL
+            code, message = failure_status(err, method)
         context.abort(code, message)  # raises
         raise AssertionError("unreachable")
 
@@ -151,36 +150,47 @@ class StationServicer(station_pb2_grpc.StationServicer):
         """One batched step over the wave in `request`; with `relay_to`, the output goes on to those stations
         (station.relay) and their answer comes back."""
         started = time.perf_counter()
-
-        def run() -> pb.ForwardReply:
-            st = self.station
-            _, entries, token_ids, hidden = decode_forward(
-                request, hidden_size=st.config.hidden_size, dtype=st.spec.dtype, vocab_size=st.config.vocab_size,
-                max_entries=self.limits.max_entries, max_rows=self.limits.max_rows)
-            relay_to, steps = decode_relay(request), decode_steps(request)
-            if relay_to and (self.successors is None or st.spec.end >= st.config.num_hidden_layers):
-                raise WireError("relay_to: this station cannot relay (it holds the last layer, or serves no relays)")
-            if relay_to and steps > 1:  # the first station of a chain runs each step and relays it
-                if token_ids is None:
-                    raise WireError("steps: several decode steps through a relay chain start at its first station "
-                                    "(token ids in)")
-                return self.successors.relay_steps(
-                    request.wave_id, entries, token_ids, steps, relay_to, self._one_step, context.time_remaining,
-                    block_tokens=self._block_tokens(), vocab_size=st.config.vocab_size)
-            out, kv = self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps),
-                                               kv_usage_proto(st)))
-            if relay_to:  # outside the station lock: the next wave computes while the successors run this one
-                return self.successors.relay(request.wave_id, request.entries, relay_to, out, kv,
-                                             context.time_remaining())
-            if out.hidden is not None:
-                reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv)
-                tensor_to_proto(out.hidden, into=reply.hidden)
-                return reply
-            return pb.ForwardReply(samples=samples_to_proto(out.samples or []), forward_seconds=out.seconds, kv=kv)
-
-        reply = self._guarded(context, "Forward", run)
+        reply = self._guarded(context, "Forward", lambda: self.forward(request, context.time_remaining))
         reply.served_seconds = time.perf_counter() - started
         return reply
+
+    def forward_answer(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None]
+                       ) -> pb.ForwardReply | tuple[grpc.StatusCode, str]:
+        """Forward for a relay link (station.relay_link): the reply, or the status code and message of its failure."""
+        started = time.perf_counter()
+        try:
+            reply = self.forward(request, time_remaining)
+        except Exception as err:  # noqa: BLE001 - failure_status maps every class, a bug to INTERNAL
+            return failure_status(err, "Forward")
+        reply.served_seconds = time.perf_counter() - started
+        return reply
+
+    def forward(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None]) -> pb.ForwardReply:
+        """The step (and relay) of one Forward request; `time_remaining()`: seconds left of the caller's deadline
+        (None: no deadline). Raises what `failure_status` maps."""
+        st = self.station
+        _, entries, token_ids, hidden = decode_forward(
+            request, hidden_size=st.config.hidden_size, dtype=st.spec.dtype, vocab_size=st.config.vocab_size,
+            max_entries=self.limits.max_entries, max_rows=self.limits.max_rows)
+        relay_to, steps = decode_relay(request), decode_steps(request)
+        if relay_to and (self.successors is None or st.spec.end >= st.config.num_hidden_layers):
+            raise WireError("relay_to: this station cannot relay (it holds the last layer, or serves no relays)")
+        if relay_to and steps > 1:  # the first station of a chain runs each step and relays it
+            if token_ids is None:
+                raise WireError("steps: several decode steps through a relay chain start at its first station "
+                                "(token ids in)")
+            return self.successors.relay_steps(
+                request.wave_id, entries, token_ids, steps, relay_to, self._one_step, time_remaining,
+                block_tokens=self._block_tokens(), vocab_size=st.config.vocab_size)
+        out, kv = self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps),
+                                           kv_usage_proto(st)))
+        if relay_to:  # outside the station lock: the next wave computes while the successors run this one
+            return self.successors.relay(request.wave_id, request.entries, relay_to, out, kv, time_remaining())
+        if out.hidden is not None:
+            reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv)
+            tensor_to_proto(out.hidden, into=reply.hidden)
+            return reply
+        return pb.ForwardReply(samples=samples_to_proto(out.samples or []), forward_seconds=out.seconds, kv=kv)
 
     @property
     def wire_bytes(self) -> dict[str, int]:
@@ -233,7 +243,20 @@ class StationServicer(station_pb2_grpc.StationServicer):
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
         """What the station holds and how full its KV is (lock-free: answers during a forward)."""
-        return self._guarded(context, "Info", lambda: info_reply(self.station, self.metrics_address))
+        return self._guarded(context, "Info", lambda: info_reply(self.station, self.metrics_address,
+                                                                 self.relay_port))
+
+
+def failure_status(err: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a failed call answers with (module docstring's table)."""
+    if isinstance(err, (WireError, StepError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
+    if isinstance(err, (KVBudgetError, StationBusy)):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
+    if isinstance(err, RelayError):  # the successor's own status, handed on
+        return err.code, str(err)
+    log.error("%s failed unexpectedly", method, exc_info=err)  # a bug must cost one call, not the server
+    return grpc.StatusCode.INTERNAL, f"{method}: {type(err).__name__}: {err}"
 
 
 def kv_usage_proto(station: Station) -> pb.KVUsage:
@@ -243,8 +266,8 @@ def kv_usage_proto(station: Station) -> pb.KVUsage:
                       changes=kv.changes)
 
 
-def info_reply(station: Station, metrics_address: str = "") -> pb.InfoReply:
-    """The InfoReply of a station: layer range, shape, dtype and KV occupancy."""
+def info_reply(station: Station, metrics_address: str = "", relay_port: int = 0) -> pb.InfoReply:
+    """The InfoReply of a station: layer range, shape, dtype, KV occupancy, and its relay link's port (0: none)."""
     stats, cfg, spec = station.stats(), station.config, station.spec
     return pb.InfoReply(
         model=station.model_dir.name, layer_start=spec.start, layer_end=spec.end,
@@ -253,15 +276,17 @@ def info_reply(station: Station, metrics_address: str = "") -> pb.InfoReply:
         block_tokens=stats.kv.block_tokens, kv_blocks_total=stats.kv.blocks_total,
         kv_blocks_used=stats.kv.blocks_used, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
         metrics_address=metrics_address, prefill_chunk_invariant=station.prefill_chunk_invariant,
-        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, relay_port=relay_port)
 
 
 class StationServer:
     """A running gRPC server over one station: its address, and how to stop it."""
 
     def __init__(self, server: grpc.Server, health_servicer: health.HealthServicer, servicer: StationServicer,
-                 host: str, port: int, probe: HealthProbe | None = None) -> None:
+                 host: str, port: int, probe: HealthProbe | None = None,
+                 relay_link: RelayLinkServer | None = None) -> None:
         self._server = server
+        self.relay_link = relay_link  # None: relays come as gRPC Forward calls
         self._health = health_servicer
         self._probe = probe
         self.servicer = servicer  # its `successors` are closed with the server
@@ -274,6 +299,8 @@ class StationServer:
             self._probe.stop()
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        if self.relay_link is not None:  # after the grace: a wave relayed to this station meanwhile still lands
+            self.relay_link.stop()
         if self.servicer.successors is not None:
             self.servicer.successors.close()
 
@@ -291,7 +318,7 @@ class StationServer:
 def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limits: ServerLimits = ServerLimits(),
                  metrics_address: str = "", *, token: str | None = None,
                  tls: StationTls | None = None, probe: ProbeConfig | None = None,
-                 relay_tls: StationTls | None = None) -> StationServer:
+                 relay_tls: StationTls | None = None, relay_link: bool = True) -> StationServer:
     """Serve `station` on host:port (0 = a free port); health is SERVING once this returns.
 
     `probe`: keep the health answer true to the forward path (station.probe): a probe row every
@@ -301,6 +328,8 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
     `relay_tls`: what this station presents when it relays a wave to the next station (default `tls`: one
     certificate for both sides, as `mesh up` deploys; give the orchestrator's client material where station
     certificates are for serving only). Relayed calls carry `token` too.
+    `relay_link`: serve relayed waves on a relay link (station.relay_link) beside gRPC, and relay to successors
+    over theirs; False: relays in and out are gRPC Forward calls (for comparison).
     """
     keep_large_blocks()  # a wave's payload buffers (hidden rows, MiB each) reuse freed memory, not fresh pages
     cfg = station.config
@@ -314,7 +343,7 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
                                                     thread_name_prefix="station-grpc"),
                          options=options, interceptors=interceptors)
     # relayed waves go on with this station's own credentials
-    successors = Successors(token, relay_tls or tls, size, wire)
+    successors = Successors(token, relay_tls or tls, size, wire, use_links=relay_link)
     servicer = StationServicer(station, limits, wire, metrics_address, successors)
     station_pb2_grpc.add_StationServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
@@ -331,6 +360,14 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
         raise OSError(f"station server: cannot bind {bind}: {err}") from err
     if bound == 0:
         raise OSError(f"station server: cannot bind {bind}")
+    link = None  # bound after gRPC's port, so a failed bind leaves nothing listening
+    if relay_link:
+        try:
+            link = RelayLinkServer(host, servicer.forward_answer, token=token, tls=tls, max_message_bytes=size,
+                                   wire=wire)
+        except OSError as err:
+            raise OSError(f"station relay link: cannot bind {host}: {err}") from err
+        servicer.relay_port = link.port
     server.start()
     def set_serving(ok: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -341,4 +378,4 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
     prober = HealthProbe(servicer.probe, set_serving, probe).start() if probe is not None else None
     log.info("station [%d, %d) serving on %s:%d%s%s", station.spec.start, station.spec.end, host, bound,
              " (mTLS)" if tls else "", " (token)" if token is not None else "")
-    return StationServer(server, health_servicer, servicer, host, bound, prober)
+    return StationServer(server, health_servicer, servicer, host, bound, prober, link)

@@ -189,7 +189,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("model", "layer_start", "layer_end", "num_layers", "device", "dtype", "kv_bytes_used", "kv_bytes_total", "sequences", "block_tokens", "kv_blocks_total", "kv_blocks_used", "hidden_size", "vocab_size", "metrics_address", "prefill_chunk_invariant", "kv_heads", "head_dim")
+    __slots__ = ("model", "layer_start", "layer_end", "num_layers", "device", "dtype", "kv_bytes_used", "kv_bytes_total", "sequences", "block_tokens", "kv_blocks_total", "kv_blocks_used", "hidden_size", "vocab_size", "metrics_address", "prefill_chunk_invariant", "kv_heads", "head_dim", "relay_port")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,7 @@ class InfoReply(_message.Message):
     PREFILL_CHUNK_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
     model: str
     layer_start: int
     layer_end: int
@@ -226,4 +227,5 @@ class InfoReply(_message.Message):
     prefill_chunk_invariant: bool
     kv_heads: int
     head_dim: int
-    def __init__(self, model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_total: _Optional[int] = ..., sequences: _Optional[int] = ..., block_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., metrics_address: _Optional[str] = ..., prefill_chunk_invariant: _Optional[bool] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    relay_port: int
+    def __init__(self, model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_total: _Optional[int] = ..., sequences: _Optional[int] = ..., block_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., metrics_address: _Optional[str] = ..., prefill_chunk_invariant: _Optional[bool] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., relay_port: _Optional[int] = ...) -> None: ...
