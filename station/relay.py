@@ -40,7 +40,8 @@ from mesh.core.wave import StationOutput, WaveEntry, decode_step_entries, decode
 from mesh.core.wire import WireError, entries_to_proto, proto_to_samples, tensor_to_proto
 from station.client import station_channel
 from station.interceptors import FORWARD_METHOD, INFO_METHOD, WireBytes
-from station.relay_link import LinkError, RelayLinkClient
+from station.link_frames import LinkError
+from station.relay_link import RelayLinkClient
 
 StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor], tuple[StationOutput, pb.KVUsage]]
 

@@ -7,17 +7,9 @@ its two ends ~0.9 ms of CPU and ~3 thread switches, the link ~0.5 ms and one wak
 (bench/out/session23_ab.txt), which is what limits a chain of GPU-speed stations. gRPC stays for every call
 from the orchestrator, for health and for a successor that offers no link (InfoReply.relay_port 0).
 
-A frame is a fixed header and a body:
-
-    magic "WMRL" | version u8 | kind u8 | status u16 | body length u32 | seconds f64    (little-endian)
-
-    HELLO   client -> station, once per connection: the body is the cluster token (empty without one)
-    REQUEST client -> station: a ForwardRequest; `seconds` is the time left of the caller's own deadline
-    REPLY   station -> client: a ForwardReply (to HELLO: empty, the token was accepted)
-    ERROR   station -> client: `status` is the gRPC status code, the body its UTF-8 message
-
-One connection carries one call at a time (a caller takes an idle connection of its pool or opens one), so
-a reply always answers the connection's last request. The station serves each connection on a thread of its
+Its frames (HELLO with the token, REQUEST, REPLY, ERROR with a status code) are station.link_frames. One
+connection carries one call at a time (a caller takes an idle connection of its pool or opens one), so a
+reply always answers the connection's last request. The station serves each connection on a thread of its
 own, at most `max_connections` at once. A frame that cannot be trusted (bad magic or version, over the size
 limit) is answered with an ERROR and the connection closed; a body that does not parse is answered with
 INVALID_ARGUMENT and the connection goes on; a wrong token gets UNAUTHENTICATED and a close. Whatever a
@@ -27,11 +19,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import socket
-import ssl
-import struct
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -42,106 +30,13 @@ from google.protobuf.message import DecodeError
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.transport import StationTls, check_token
 from station.interceptors import WireBytes
+from station.link_frames import (CODES, ERROR, HANDSHAKE_TIMEOUT_S, HELLO, REPLY, REQUEST, LinkError, frame,
+                                 read_frame, send_frame, tls_context)
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"WMRL"
-VERSION = 1
-HELLO, REQUEST, REPLY, ERROR = 1, 2, 3, 4
-HEADER = struct.Struct("<4sBBHId")
-HANDSHAKE_TIMEOUT_S = 10.0  # a connection must finish TLS and say HELLO within this
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
 # what the station answers a request with: its reply, or a status code and message
 Answer = Callable[[pb.ForwardRequest, Callable[[], float | None]], "pb.ForwardReply | tuple[grpc.StatusCode, str]"]
-
-
-class LinkError(Exception):
-    """A call over the link failed; `code` is the gRPC status it stands for."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _frame(kind: int, body: bytes = b"", *, status: int = 0, seconds: float = 0.0) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, kind, status, len(body), seconds) + body
-
-
-def _send(sock: socket.socket, kind: int, body: bytes, *, seconds: float = 0.0) -> None:
-    """Send one frame; over plain TCP the header and the body go in one call without joining them (a MiB copy)."""
-    head = HEADER.pack(MAGIC, VERSION, kind, 0, len(body), seconds)
-    if isinstance(sock, ssl.SSLSocket):  # no scatter-gather through TLS
-        sock.sendall(head + body)
-        return
-    sent = sock.sendmsg([head, body])
-    if sent < len(head):
-        sock.sendall(head[sent:])
-        sent = len(head)
-    if sent - len(head) < len(body):
-        sock.sendall(memoryview(body)[sent - len(head):])
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytearray | None:
-    """n bytes from `sock` (None: the peer closed before the first byte); TimeoutError past `deadline`."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        if deadline is not None:
-            sock.settimeout(max(1e-3, deadline - time.monotonic()))
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            if got == 0:
-                return None
-            raise ConnectionError(f"the peer closed the connection {got} bytes into a {n}-byte read")
-        got += k
-    return buf
-
-
-def _read_frame(sock: socket.socket, max_body: int, deadline: float | None = None
-                ) -> tuple[int, int, float, bytearray] | None:
-    """(kind, status, seconds, body) of the next frame, None at a clean end; LinkError for a frame not to be
-    trusted (the connection cannot go on after it)."""
-    head = _recv_exact(sock, HEADER.size, deadline)
-    if head is None:
-        return None
-    magic, version, kind, status, length, seconds = HEADER.unpack(head)
-    if magic != MAGIC:
-        raise LinkError(grpc.StatusCode.INVALID_ARGUMENT, f"relay link: not a relay-link frame (magic {bytes(magic)!r})")
-    if version != VERSION:
-        raise LinkError(grpc.StatusCode.INVALID_ARGUMENT, f"relay link: frame version {version}, this station "
-                        f"speaks {VERSION}")
-    if length > max_body:
-        raise LinkError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"relay link: a {length}-byte frame is over the "
-                        f"{max_body}-byte limit")
-    body = _recv_exact(sock, length, deadline) if length else bytearray()
-    if body is None:
-        raise ConnectionError("the peer closed the connection after a frame header")
-    return kind, status, seconds, body
-
-
-def _pem_file(pem: bytes) -> str:
-    """A private temporary file holding `pem` (ssl loads certificates and keys from files only)."""
-    fd, path = tempfile.mkstemp(suffix=".pem")
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
-    return path
-
-
-def tls_context(tls: StationTls, *, server: bool) -> ssl.SSLContext:
-    """The mutual-TLS context of one side of a link: this side's certificate and key, peers checked against the
-    cluster CA (a station's certificate against `tls.server_name`, as gRPC checks it)."""
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH if server else ssl.Purpose.SERVER_AUTH,
-                                     cadata=tls.ca.decode())
-    cert, key = _pem_file(tls.cert), _pem_file(tls.key)
-    try:
-        ctx.load_cert_chain(cert, key)
-    finally:
-        os.unlink(cert)
-        os.unlink(key)
-    if server:
-        ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
 
 
 class RelayLinkServer:
@@ -182,7 +77,7 @@ class RelayLinkServer:
     @staticmethod
     def _refuse(conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
         try:
-            conn.sendall(_frame(ERROR, message.encode(), status=code.value[0]))
+            conn.sendall(frame(ERROR, message.encode(), status=code.value[0]))
         except OSError:
             pass
         conn.close()
@@ -204,13 +99,13 @@ class RelayLinkServer:
             while not self._stopped:
                 conn.settimeout(None)
                 try:
-                    frame = _read_frame(conn, self._max_body)
+                    got = read_frame(conn, self._max_body)
                 except LinkError as err:
                     self._refuse(conn, err.code, str(err))
                     return
-                if frame is None:
+                if got is None:
                     return
-                kind, _, seconds, body = frame
+                kind, _, seconds, body = got
                 if kind != REQUEST:
                     self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, f"relay link: frame kind {kind} where a "
                                  "request was expected")
@@ -229,17 +124,17 @@ class RelayLinkServer:
     def _hello(self, conn: socket.socket) -> bool:
         """Read the HELLO frame and check its token; True when the connection may go on."""
         try:
-            frame = _read_frame(conn, 4096, time.monotonic() + HANDSHAKE_TIMEOUT_S)
+            got = read_frame(conn, 4096, time.monotonic() + HANDSHAKE_TIMEOUT_S)
         except LinkError as err:
             self._refuse(conn, err.code, str(err))
             return False
-        if frame is None:
+        if got is None:
             return False
-        kind, _, _, body = frame
+        kind, _, _, body = got
         if kind != HELLO or not hmac.compare_digest(bytes(body), self._token):
             self._refuse(conn, grpc.StatusCode.UNAUTHENTICATED, "relay link: missing or wrong cluster token")
             return False
-        conn.sendall(_frame(REPLY))
+        conn.sendall(frame(REPLY))
         return True
 
     def _reply(self, conn: socket.socket, body: bytearray, seconds: float) -> None:
@@ -250,18 +145,18 @@ class RelayLinkServer:
         try:
             request = pb.ForwardRequest.FromString(body)
         except DecodeError as err:
-            conn.sendall(_frame(ERROR, f"request: not a valid protobuf message: {type(err).__name__}: {err}".encode(),
+            conn.sendall(frame(ERROR, f"request: not a valid protobuf message: {type(err).__name__}: {err}".encode(),
                                 status=grpc.StatusCode.INVALID_ARGUMENT.value[0]))
             return
         deadline = time.monotonic() + seconds if seconds > 0 else None
         outcome = self._answer(request, lambda: None if deadline is None else deadline - time.monotonic())
         if isinstance(outcome, tuple):
             code, message = outcome
-            conn.sendall(_frame(ERROR, message.encode(errors="replace"), status=code.value[0]))
+            conn.sendall(frame(ERROR, message.encode(errors="replace"), status=code.value[0]))
             return
         data = outcome.SerializeToString()
         self._wire.add("out", len(data))
-        _send(conn, REPLY, data)
+        send_frame(conn, REPLY, data)
 
     def stop(self) -> None:
         """Close the listener and every open connection (callers see UNAVAILABLE)."""
@@ -282,7 +177,7 @@ class RelayLinkClient:
                  max_message_bytes: int, wire: WireBytes, max_idle: int = 8) -> None:
         """`wire`: where request ("out") and reply ("in") bytes are counted."""
         self.address = (host, port)
-        self._hello = _frame(HELLO, token.encode() if token is not None else b"")
+        self._hello = frame(HELLO, token.encode() if token is not None else b"")
         self._ssl = tls_context(tls, server=False) if tls is not None else None
         self._server_name = tls.server_name if tls is not None else None
         self._max_body = max_message_bytes
@@ -306,12 +201,12 @@ class RelayLinkClient:
             raise
 
     def _expect_reply(self, conn: socket.socket, deadline: float) -> bytearray:
-        frame = _read_frame(conn, self._max_body, deadline)
-        if frame is None:
+        got = read_frame(conn, self._max_body, deadline)
+        if got is None:
             raise ConnectionError("the station closed the connection without answering")
-        kind, status, _, body = frame
+        kind, status, _, body = got
         if kind == ERROR:
-            raise LinkError(_CODES.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
+            raise LinkError(CODES.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
         if kind != REPLY:
             raise LinkError(grpc.StatusCode.INTERNAL, f"relay link: frame kind {kind} where a reply was expected")
         return body
@@ -328,7 +223,7 @@ class RelayLinkClient:
             if conn is None:
                 conn = self._connect(deadline)
             conn.settimeout(max(1e-3, deadline - time.monotonic()))
-            _send(conn, REQUEST, data, seconds=max(1e-3, deadline - time.monotonic()))
+            send_frame(conn, REQUEST, data, seconds=max(1e-3, deadline - time.monotonic()))
             self._wire.add("out", len(data))
             body = self._expect_reply(conn, deadline)
             self._wire.add("in", len(body))

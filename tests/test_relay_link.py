@@ -19,11 +19,12 @@ from mesh.core.transport import StationTls
 from mesh.core.wave import WaveEntry
 from mesh.core.wire import entries_to_proto, tensor_to_proto
 from station.interceptors import WireBytes
-from station.relay_link import ERROR, HEADER, HELLO, MAGIC, REPLY, REQUEST, VERSION, LinkError, RelayLinkClient
+from station.link_frames import ERROR, HEADER, HELLO, MAGIC, REPLY, REQUEST, VERSION, LinkError
+from station.relay_link import RelayLinkClient
 from station.server import start_server
 from station.step import Station
 
-from test_relay import CHAINS, TOKEN, _jobs, _run, pki_files, reference  # noqa: F401 - fixtures
+from test_relay import CHAINS, TOKEN, _run, pki_files, reference  # noqa: F401 - fixtures
 
 LIMIT = 64 << 20
 
