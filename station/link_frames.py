@@ -63,10 +63,13 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytearray
     """n bytes from `sock` (None: the peer closed before the first byte); TimeoutError past `deadline`."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
+    # a blocking plain socket waits in the kernel for the whole frame: one wake-up and one GIL round trip for a
+    # MiB, not one per segment (TLS and timed sockets take what has come and loop)
+    wait_all = socket.MSG_WAITALL if deadline is None and not isinstance(sock, ssl.SSLSocket) else 0
     while got < n:
         if deadline is not None:
             sock.settimeout(max(1e-3, deadline - time.monotonic()))
-        k = sock.recv_into(view[got:])
+        k = sock.recv_into(view[got:], n - got, wait_all)
         if k == 0:
             if got == 0:
                 return None
