@@ -2,10 +2,14 @@
 
 A frame is a fixed header and a body:
 
-    magic "WMRL" | version u8 | kind u8 | status u16 | body length u32 | seconds f64    (little-endian)
+    magic "WMRL" | version u8 | kind u8 | status u16 | body length u32 | rows length u32 | seconds f64
+    (little-endian), then the body, then the rows
+
 
     HELLO   client -> station, once per connection: the body is the cluster token (empty without one)
-    REQUEST client -> station: a ForwardRequest; `seconds` is the time left of the caller's own deadline
+    REQUEST client -> station: a ForwardRequest; `seconds` is the time left of the caller's own deadline. Its
+            hidden rows' bytes may follow the message as the frame's rows (the message's `hidden` then holds their
+            dtype and shape, its data empty), so that neither side copies a MiB into and out of protobuf
     REPLY   station -> client: a ForwardReply (to HELLO: empty, the token was accepted)
     ERROR   station -> client: `status` is the gRPC status code, the body its UTF-8 message
 
@@ -27,7 +31,7 @@ from mesh.core.transport import StationTls
 MAGIC = b"WMRL"
 VERSION = 1
 HELLO, REQUEST, REPLY, ERROR = 1, 2, 3, 4
-HEADER = struct.Struct("<4sBBHId")
+HEADER = struct.Struct("<4sBBHIId")
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection must finish TLS and say HELLO within this
 CODES = {code.value[0]: code for code in grpc.StatusCode}  # a frame's status number -> its gRPC status
 
@@ -41,22 +45,25 @@ class LinkError(Exception):
 
 
 def frame(kind: int, body: bytes = b"", *, status: int = 0, seconds: float = 0.0) -> bytes:
-    """One frame as bytes (header and body joined: for the small ones)."""
-    return HEADER.pack(MAGIC, VERSION, kind, status, len(body), seconds) + body
+    """One frame without rows as bytes (header and body joined: for the small ones)."""
+    return HEADER.pack(MAGIC, VERSION, kind, status, len(body), 0, seconds) + body
 
 
-def send_frame(sock: socket.socket, kind: int, body: bytes, *, seconds: float = 0.0) -> None:
-    """Send one frame; over plain TCP the header and the body go in one call without joining them (a MiB copy)."""
-    head = HEADER.pack(MAGIC, VERSION, kind, 0, len(body), seconds)
+def send_frame(sock: socket.socket, kind: int, body: bytes, *, rows: memoryview | None = None,
+               seconds: float = 0.0) -> None:
+    """Send one frame (with `rows`, raw tensor bytes after the body); over plain TCP its parts go in one call
+    without joining them (no MiB copy)."""
+    rows = memoryview(b"") if rows is None else rows
+    parts = [HEADER.pack(MAGIC, VERSION, kind, 0, len(body), rows.nbytes, seconds), body, rows]
     if isinstance(sock, ssl.SSLSocket):  # no scatter-gather through TLS
-        sock.sendall(head + body)
+        sock.sendall(b"".join(parts))
         return
-    sent = sock.sendmsg([head, body])
-    if sent < len(head):
-        sock.sendall(head[sent:])
-        sent = len(head)
-    if sent - len(head) < len(body):
-        sock.sendall(memoryview(body)[sent - len(head):])
+    sent = sock.sendmsg(parts)
+    for part in parts:  # a partial send: the rest of each part in turn
+        n = len(part) if not isinstance(part, memoryview) else part.nbytes
+        if sent < n:
+            sock.sendall(memoryview(part).cast("B")[sent:])
+        sent = max(0, sent - n)
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytearray | None:
@@ -79,25 +86,26 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytearray
 
 
 def read_frame(sock: socket.socket, max_body: int, deadline: float | None = None
-                ) -> tuple[int, int, float, bytearray] | None:
-    """(kind, status, seconds, body) of the next frame, None at a clean end; LinkError for a frame not to be
-    trusted (the connection cannot go on after it)."""
+               ) -> tuple[int, int, float, bytearray, bytearray | None] | None:
+    """(kind, status, seconds, body, rows or None) of the next frame, None at a clean end; LinkError for a frame
+    not to be trusted (the connection cannot go on after it). `max_body` bounds the body and rows together."""
     head = recv_exact(sock, HEADER.size, deadline)
     if head is None:
         return None
-    magic, version, kind, status, length, seconds = HEADER.unpack(head)
+    magic, version, kind, status, length, rows_length, seconds = HEADER.unpack(head)
     if magic != MAGIC:
         raise LinkError(grpc.StatusCode.INVALID_ARGUMENT, f"relay link: not a relay-link frame (magic {bytes(magic)!r})")
     if version != VERSION:
         raise LinkError(grpc.StatusCode.INVALID_ARGUMENT, f"relay link: frame version {version}, this station "
                         f"speaks {VERSION}")
-    if length > max_body:
-        raise LinkError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"relay link: a {length}-byte frame is over the "
-                        f"{max_body}-byte limit")
+    if length + rows_length > max_body:
+        raise LinkError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"relay link: a {length + rows_length}-byte frame is "
+                        f"over the {max_body}-byte limit")
     body = recv_exact(sock, length, deadline) if length else bytearray()
-    if body is None:
-        raise ConnectionError("the peer closed the connection after a frame header")
-    return kind, status, seconds, body
+    rows = recv_exact(sock, rows_length, deadline) if rows_length else None
+    if body is None or (rows_length and rows is None):
+        raise ConnectionError("the peer closed the connection inside a frame")
+    return kind, status, seconds, body, rows
 
 
 def pem_file(pem: bytes) -> str:

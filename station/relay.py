@@ -37,7 +37,7 @@ import torch
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.transport import StationTls, bearer_metadata
 from mesh.core.wave import StationOutput, WaveEntry, decode_step_entries, decode_steps_problem
-from mesh.core.wire import WireError, entries_to_proto, proto_to_samples, tensor_to_proto
+from mesh.core.wire import WireError, entries_to_proto, proto_to_samples, tensor_bytes, tensor_header, tensor_to_proto
 from station.client import station_channel
 from station.interceptors import FORWARD_METHOD, INFO_METHOD, WireBytes
 from station.link_frames import LinkError
@@ -129,13 +129,17 @@ class Successors:
             self._links[address] = link
             return link
 
-    def _call(self, address: str, request: pb.ForwardRequest, timeout: float) -> pb.ForwardReply:
-        """Forward `request` to the station at `address` over its relay link or gRPC; RelayError on failure."""
+    def _call(self, address: str, request: pb.ForwardRequest, hidden: torch.Tensor, timeout: float
+              ) -> pb.ForwardReply:
+        """Forward `request` with its `hidden` rows to the station at `address`: over its relay link, the rows' bytes
+        beside the message, else in it as a gRPC call; RelayError on failure."""
         try:
             link = self._link(address, timeout)
             if link is None:
+                tensor_to_proto(hidden, into=request.hidden)
                 return self._forward(address)(request, timeout=timeout, metadata=self._metadata)
-            return link.forward(request, timeout)
+            tensor_header(hidden, into=request.hidden)
+            return link.forward(request, timeout, rows=tensor_bytes(hidden))
         except LinkError as err:
             if err.code == grpc.StatusCode.UNAVAILABLE:
                 with self._lock:
@@ -156,10 +160,9 @@ class Successors:
                              "relay_to: this station samples (it holds the last layer); there is nothing to relay")
         successor = relay_to[0]
         onward = pb.ForwardRequest(wave_id=wave_id, entries=entries, relay_to=relay_to[1:])
-        tensor_to_proto(out.hidden, into=onward.hidden)
         timeout = self._default_timeout_s if time_left_s is None else max(0.0, time_left_s)
         t0 = time.perf_counter()
-        answer = self._call(successor, onward, timeout)
+        answer = self._call(successor, onward, out.hidden, timeout)
         hop = pb.RelayHop(address=successor, kv=answer.kv, forward_seconds=answer.forward_seconds,
                           served_seconds=answer.served_seconds, call_seconds=time.perf_counter() - t0)
         reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv, relayed=[hop, *answer.relayed])

@@ -36,7 +36,9 @@ from station.link_frames import (CODES, ERROR, HANDSHAKE_TIMEOUT_S, HELLO, REPLY
 log = logging.getLogger(__name__)
 
 # what the station answers a request with: its reply, or a status code and message
-Answer = Callable[[pb.ForwardRequest, Callable[[], float | None]], "pb.ForwardReply | tuple[grpc.StatusCode, str]"]
+# (the request, the seconds left of its deadline, the bytes of its hidden rows where they came beside it)
+Answer = Callable[[pb.ForwardRequest, Callable[[], float | None], bytearray | None],
+                  "pb.ForwardReply | tuple[grpc.StatusCode, str]"]
 
 
 class RelayLinkServer:
@@ -105,12 +107,12 @@ class RelayLinkServer:
                     return
                 if got is None:
                     return
-                kind, _, seconds, body = got
+                kind, _, seconds, body, rows = got
                 if kind != REQUEST:
                     self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, f"relay link: frame kind {kind} where a "
                                  "request was expected")
                     return
-                self._reply(conn, body, seconds)
+                self._reply(conn, body, rows, seconds)
         except (OSError, ValueError) as err:  # the peer went away, a TLS failure, a handshake timeout
             log.debug("relay link: connection ended: %s", err)
         finally:
@@ -130,16 +132,16 @@ class RelayLinkServer:
             return False
         if got is None:
             return False
-        kind, _, _, body = got
+        kind, _, _, body, _ = got
         if kind != HELLO or not hmac.compare_digest(bytes(body), self._token):
             self._refuse(conn, grpc.StatusCode.UNAUTHENTICATED, "relay link: missing or wrong cluster token")
             return False
         conn.sendall(frame(REPLY))
         return True
 
-    def _reply(self, conn: socket.socket, body: bytearray, seconds: float) -> None:
-        """Answer one REQUEST body on `conn`."""
-        self._wire.add("in", len(body))
+    def _reply(self, conn: socket.socket, body: bytearray, rows: bytearray | None, seconds: float) -> None:
+        """Answer one REQUEST (its body, the hidden rows' bytes where they came beside it) on `conn`."""
+        self._wire.add("in", len(body) + (len(rows) if rows is not None else 0))
         with self._lock:
             self.requests += 1
         try:
@@ -149,7 +151,7 @@ class RelayLinkServer:
                                 status=grpc.StatusCode.INVALID_ARGUMENT.value[0]))
             return
         deadline = time.monotonic() + seconds if seconds > 0 else None
-        outcome = self._answer(request, lambda: None if deadline is None else deadline - time.monotonic())
+        outcome = self._answer(request, lambda: None if deadline is None else deadline - time.monotonic(), rows)
         if isinstance(outcome, tuple):
             code, message = outcome
             conn.sendall(frame(ERROR, message.encode(errors="replace"), status=code.value[0]))
@@ -204,15 +206,17 @@ class RelayLinkClient:
         got = read_frame(conn, self._max_body, deadline)
         if got is None:
             raise ConnectionError("the station closed the connection without answering")
-        kind, status, _, body = got
+        kind, status, _, body, _ = got
         if kind == ERROR:
             raise LinkError(CODES.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
         if kind != REPLY:
             raise LinkError(grpc.StatusCode.INTERNAL, f"relay link: frame kind {kind} where a reply was expected")
         return body
 
-    def forward(self, request: pb.ForwardRequest, timeout_s: float) -> pb.ForwardReply:
-        """Send `request`, return the station's reply within `timeout_s`; LinkError with the status it stands for
+    def forward(self, request: pb.ForwardRequest, timeout_s: float, rows: memoryview | None = None
+                ) -> pb.ForwardReply:
+        """Send `request` (with `rows`: its hidden rows' bytes, sent beside it, `request.hidden` holding their dtype
+        and shape), return the station's reply within `timeout_s`; LinkError with the status it stands for
         (UNAVAILABLE: the station cannot be reached or went away; DEADLINE_EXCEEDED: no answer in time)."""
         deadline = time.monotonic() + timeout_s
         data = request.SerializeToString()
@@ -223,8 +227,8 @@ class RelayLinkClient:
             if conn is None:
                 conn = self._connect(deadline)
             conn.settimeout(max(1e-3, deadline - time.monotonic()))
-            send_frame(conn, REQUEST, data, seconds=max(1e-3, deadline - time.monotonic()))
-            self._wire.add("out", len(data))
+            send_frame(conn, REQUEST, data, rows=rows, seconds=max(1e-3, deadline - time.monotonic()))
+            self._wire.add("out", len(data) + (rows.nbytes if rows is not None else 0))
             body = self._expect_reply(conn, deadline)
             self._wire.add("in", len(body))
             reply = pb.ForwardReply.FromString(body)

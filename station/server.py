@@ -154,24 +154,26 @@ class StationServicer(station_pb2_grpc.StationServicer):
         reply.served_seconds = time.perf_counter() - started
         return reply
 
-    def forward_answer(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None]
-                       ) -> pb.ForwardReply | tuple[grpc.StatusCode, str]:
+    def forward_answer(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None],
+                       hidden_data: bytearray | None = None) -> pb.ForwardReply | tuple[grpc.StatusCode, str]:
         """Forward for a relay link (station.relay_link): the reply, or the status code and message of its failure."""
         started = time.perf_counter()
         try:
-            reply = self.forward(request, time_remaining)
+            reply = self.forward(request, time_remaining, hidden_data)
         except Exception as err:  # noqa: BLE001 - failure_status maps every class, a bug to INTERNAL
             return failure_status(err, "Forward")
         reply.served_seconds = time.perf_counter() - started
         return reply
 
-    def forward(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None]) -> pb.ForwardReply:
+    def forward(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None],
+                hidden_data: bytearray | None = None) -> pb.ForwardReply:
         """The step (and relay) of one Forward request; `time_remaining()`: seconds left of the caller's deadline
-        (None: no deadline). Raises what `failure_status` maps."""
+        (None: no deadline); `hidden_data`: the hidden rows' bytes where they came beside the request. Raises what
+        `failure_status` maps."""
         st = self.station
         _, entries, token_ids, hidden = decode_forward(
             request, hidden_size=st.config.hidden_size, dtype=st.spec.dtype, vocab_size=st.config.vocab_size,
-            max_entries=self.limits.max_entries, max_rows=self.limits.max_rows)
+            max_entries=self.limits.max_entries, max_rows=self.limits.max_rows, hidden_data=hidden_data)
         relay_to, steps = decode_relay(request), decode_steps(request)
         if relay_to and (self.successors is None or st.spec.end >= st.config.num_hidden_layers):
             raise WireError("relay_to: this station cannot relay (it holds the last layer, or serves no relays)")

@@ -44,9 +44,9 @@ def _request(seq_id: int, hidden_size: int, rows: int = 2) -> pb.ForwardRequest:
     return request
 
 
-def _frame(kind: int, body: bytes = b"", *, magic: bytes = MAGIC, version: int = VERSION, length: int | None = None,
-           seconds: float = 30.0) -> bytes:
-    return HEADER.pack(magic, version, kind, 0, len(body) if length is None else length, seconds) + body
+def _frame(kind: int, body: bytes = b"", *, rows: bytes = b"", magic: bytes = MAGIC, version: int = VERSION,
+           length: int | None = None, seconds: float = 30.0) -> bytes:
+    return HEADER.pack(magic, version, kind, 0, len(body) if length is None else length, len(rows), seconds) + body + rows
 
 
 def _read(sock: socket.socket) -> tuple[int, int, bytes]:
@@ -57,7 +57,8 @@ def _read(sock: socket.socket) -> tuple[int, int, bytes]:
         if not chunk:
             return 0, 0, b""
         head += chunk
-    magic, version, kind, status, length, _ = HEADER.unpack(head)
+    magic, version, kind, status, length, rows, _ = HEADER.unpack(head)
+    assert rows == 0  # a station's answers carry no rows beside them
     assert (magic, version) == (MAGIC, VERSION)
     body = b""
     while len(body) < length:
@@ -132,7 +133,19 @@ def test_bad_frames_get_a_named_error_and_the_station_goes_on(tiny_llama, last_s
         sock.sendall(_frame(REQUEST, _request(902, hidden).SerializeToString()))
         kind, status, body = _read(sock)
         assert (kind, status) == (REPLY, 0) and len(pb.ForwardReply.FromString(body).samples.samples) == 1
-    station.release([902])
+        beside = _request(909, hidden)  # the rows' bytes after the message, its hidden holding dtype and shape
+        rows, beside.hidden.data = beside.hidden.data, b""
+        for request, extra, words in (
+                (_request(910, hidden), rows, b"both in the message and beside it"),
+                (beside, rows[:-4], b"bytes, but shape"),
+                (pb.ForwardRequest(entries=beside.entries, token_ids=pb.TokenIds(ids=[1, 2])), rows, b"beside the message")):
+            sock.sendall(_frame(REQUEST, request.SerializeToString(), rows=extra))
+            kind, status, body = _read(sock)
+            assert (kind, status) == (ERROR, grpc.StatusCode.INVALID_ARGUMENT.value[0]) and words in body, body
+        sock.sendall(_frame(REQUEST, beside.SerializeToString(), rows=rows))
+        kind, status, body = _read(sock)
+        assert (kind, status) == (REPLY, 0) and len(pb.ForwardReply.FromString(body).samples.samples) == 1
+    station.release([902, 909])
     rng = random.Random(23)
     for _ in range(24):  # random bytes after a good HELLO, then a hang-up: never a crash
         with _connect(last_station) as sock:
@@ -199,6 +212,6 @@ def test_the_link_speaks_mutual_tls_only(tiny_llama, pki_files):
 
 
 def test_header_layout_is_fixed():
-    """The frame header is 20 bytes, little-endian: what a station of another build must read the same way."""
-    assert HEADER.size == 20
-    assert HEADER.pack(MAGIC, VERSION, REQUEST, 0, 5, 1.5) == b"WMRL\x01\x02\x00\x00" + struct.pack("<Id", 5, 1.5)
+    """The frame header is 24 bytes, little-endian: what a station of another build must read the same way."""
+    assert HEADER.size == 24
+    assert HEADER.pack(MAGIC, VERSION, REQUEST, 0, 5, 7, 1.5) == b"WMRL\x01\x02\x00\x00" + struct.pack("<IId", 5, 7, 1.5)

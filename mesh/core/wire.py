@@ -45,20 +45,32 @@ def dtype_itemsize(name: str) -> int:
 def tensor_to_proto(t: torch.Tensor, into: pb.Tensor | None = None) -> pb.Tensor:
     """Encode a tensor as raw little-endian, C-contiguous bytes with its dtype name and shape; `into`: fill that
     message (a field of the message being built: no copy of the bytes into it afterwards)."""
+    into = tensor_header(t, into)
+    into.data = tensor_bytes(t).tobytes()
+    return into
+
+
+def tensor_header(t: torch.Tensor, into: pb.Tensor | None = None) -> pb.Tensor:
+    """The dtype name and shape of `t` in a Tensor message (`into`, or a new one), its data left empty: for a
+    carriage that sends the bytes beside the message (station.relay_link)."""
     name = _DTYPE_NAMES.get(t.dtype)
     if name is None:
         raise WireError(f"tensor.dtype: {t.dtype} is not a wire dtype; expected one of {sorted(DTYPES)}")
-    t = t.detach().to("cpu").contiguous()
-    flat = t.reshape(-1)
-    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the same 2 bytes as int16
-        flat = flat.view(torch.int16)
-    arr = flat.numpy()
-    data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
     if into is None:
-        return pb.Tensor(dtype=name, shape=list(t.shape), data=data)
-    into.dtype, into.data = name, data
+        return pb.Tensor(dtype=name, shape=list(t.shape))
+    into.dtype = name
     into.shape[:] = list(t.shape)
     return into
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The wire bytes of `t` (raw little-endian, C-contiguous) as a view of its memory where it is already so
+    (no copy); keep `t` alive while the view is read."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the same 2 bytes as int16
+        flat = flat.view(torch.int16)
+    arr = flat.numpy()
+    return memoryview(arr.astype(arr.dtype.newbyteorder("<"), copy=False)).cast("B")
 
 
 def proto_to_tensor(
@@ -68,10 +80,12 @@ def proto_to_tensor(
     expect_shape: tuple[int | None, ...] | None = None,
     max_bytes: int | None = None,
     field: str = "tensor",
+    data: bytearray | None = None,
 ) -> torch.Tensor:
     """Decode and validate a Tensor message into a writable CPU tensor that owns its memory.
 
-    `expect_shape` dims of None match any size; `field` prefixes every error message.
+    `expect_shape` dims of None match any size; `field` prefixes every error message. `data`: the tensor's bytes
+    where they came beside the message (its own `data` then empty), a buffer the tensor takes over without a copy.
     """
     if msg.dtype not in DTYPES:
         raise WireError(f"{field}.dtype: {msg.dtype!r} is not a wire dtype; expected one of {sorted(DTYPES)}")
@@ -93,7 +107,10 @@ def proto_to_tensor(
                 raise WireError(f"{field}.shape[{i}]: expected {want}, got {got}")
     itemsize = DTYPES[msg.dtype].itemsize
     nbytes = math.prod(shape) * itemsize
-    data = msg.data  # each read of a bytes field is a new copy: read it once
+    if data is not None and msg.data:
+        raise WireError(f"{field}.data: the bytes came both in the message and beside it")
+    private = data is not None
+    data = msg.data if data is None else data  # each read of a bytes field is a new copy: read it once
     if max_bytes is not None and max(nbytes, len(data)) > max_bytes:
         raise WireError(f"{field}: {max(nbytes, len(data))} bytes exceeds the limit of {max_bytes}")
     if nbytes != len(data):
@@ -101,9 +118,9 @@ def proto_to_tensor(
     dtype = DTYPES[msg.dtype]
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    # A private bytearray copy: the tensor is writable and nothing else holds its memory.
+    # A private bytearray (a copy of the message's bytes): the tensor is writable and nothing else holds its memory.
     # Wire bytes are little-endian, as is every host torch runs on (x86-64, arm64).
-    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+    return torch.frombuffer(data if private else bytearray(data), dtype=dtype).reshape(shape)
 
 
 _EXPONENT_BITS = {  # float dtype -> (the integer dtype of its width, numpy's unsigned one, its exponent bits)
@@ -275,12 +292,14 @@ def encode_forward(wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequen
 
 
 def decode_forward(
-    msg: pb.ForwardRequest, *, hidden_size: int, dtype: str, vocab_size: int, max_entries: int, max_rows: int
+    msg: pb.ForwardRequest, *, hidden_size: int, dtype: str, vocab_size: int, max_entries: int, max_rows: int,
+    hidden_data: bytearray | None = None,
 ) -> tuple[int, tuple[WaveEntry, ...], torch.Tensor | None, torch.Tensor | None]:
     """Validate a ForwardRequest against a station's shape and limits.
 
     Returns (wave_id, entries, token_ids [T] int64 or None, hidden [T, hidden_size] or None),
-    where T is the sum of the entries' n_tokens; exactly one of the two payloads is set.
+    where T is the sum of the entries' n_tokens; exactly one of the two payloads is set. `hidden_data`: the hidden
+    rows' bytes where they came beside the message (a relay link's frame), `hidden.data` then empty.
     """
     n = len(msg.entries)
     if n == 0:
@@ -294,6 +313,8 @@ def decode_forward(
     payload = msg.WhichOneof("payload")
     if payload is None:
         raise WireError("payload: missing; expected token_ids or hidden")
+    if hidden_data is not None and payload != "hidden":
+        raise WireError("hidden: rows came beside the message, but its payload is not hidden rows")
     if payload == "token_ids":
         ids = msg.token_ids.ids
         if len(ids) != rows:
@@ -308,7 +329,8 @@ def decode_forward(
     if shape and shape[0] != rows:
         raise WireError(f"hidden.shape[0]: {shape[0]} rows, but the entries cover {rows} rows")
     hidden = proto_to_tensor(msg.hidden, expect_dtype=dtype, expect_shape=(rows, hidden_size),
-                             max_bytes=rows * hidden_size * dtype_itemsize(dtype), field="hidden")  # [T, H]
+                             max_bytes=rows * hidden_size * dtype_itemsize(dtype), field="hidden",
+                             data=hidden_data)  # [T, H]
     if not all_finite(hidden):  # NaN / inf would poison every later layer and the sample
         j = int((~torch.isfinite(hidden).all(dim=-1)).nonzero()[0, 0])
         raise WireError(f"hidden[{j}]: holds NaN or infinite values; hidden rows must be finite")
