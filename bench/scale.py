@@ -148,6 +148,7 @@ def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k:
         pipeline = engine.pipeline
         hops = ([list(h) for h in pipeline.hop_seconds] if pipeline.hidden_path == "direct"
                 else [link.hop_seconds for link in links])
+        turns = [list(t) for t in pipeline.turn_seconds] if pipeline.hidden_path == "direct" else []
         through = sum(sum(link.client.forward_bytes) for link in links)
     finally:
         engine.close()
@@ -161,6 +162,7 @@ def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k:
             "wall_ms_per_step": 1000 * wall / steps, "orch_kib_per_step": through / steps / 1024,
             "hop_p50_ms": 1000 * percentile(flat, 50), "hop_p99_ms": 1000 * percentile(flat, 99),
             "hop_p50_ms_by_station": [round(1000 * percentile(h, 50), 2) for h in hops],
+            "turn_p50_ms_by_station": [round(1000 * percentile(t, 50), 2) for t in turns],
             "station_cpu_ms_per_step": [round(1000 * c / steps, 2) for c in station_cpu],
             "machine_cpu_pct": 100 * (cpu + sum(station_cpu)) / (wall * (os.cpu_count() or 1)), "tokens": outs}
 
@@ -168,16 +170,19 @@ def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k:
 def sim_limit(r: dict, device_ms_per_step: float) -> tuple[str, float]:
     """What bounds a SIMULATED point, and how busy it was (%): the busiest of
     - the wave's path: with P waves in flight (one per station), a wave's step takes the modelled device time of
-      every station (`device_ms_per_step`, T at K rows) plus every hop on the way (p50), so a K-row step needs at
-      least (device + hops) / P of wall time ("device" where the hops are under 5% of it, else "hops");
+      every station (`device_ms_per_step`, T at K rows) plus every hop on the way and, on the direct path, every
+      station's own turn (p50s), so a K-row step needs at least (device + hops + turns) / P of wall time ("device"
+      where hops and turns are under 5% of it, else "hops", with the turns where there are any);
     - the machine's cores (every process's CPU over all of them), the orchestrator's one Python thread, and the
       busiest station process (its Python runs on one core at most)."""
-    hops = sum(r["hop_p50_ms_by_station"])
-    path = 100 * (device_ms_per_step + hops) / r["stations"] / r["wall_ms_per_step"]
+    hops, turns = sum(r["hop_p50_ms_by_station"]), sum(r.get("turn_p50_ms_by_station", ()))
+    path = 100 * (device_ms_per_step + hops + turns) / r["stations"] / r["wall_ms_per_step"]
+    on_path = (f"hops on the wave's path ({hops:.1f} ms a step)" if not turns else
+               f"hops ({hops:.1f} ms) and station turns ({turns:.1f} ms) on the wave's path, a step")
     station_core = [c / r["wall_ms_per_step"] * 100 for c in r["station_cpu_ms_per_step"]]
     busiest = max(range(len(station_core)), key=station_core.__getitem__)
-    candidates = {("device (modelled step)" if hops < 0.05 * (device_ms_per_step + hops) else
-                   f"hops on the wave's path ({hops:.1f} ms a step)"): path,
+    candidates = {("device (modelled step)" if hops + turns < 0.05 * (device_ms_per_step + hops + turns) else
+                   on_path): path,
                   f"machine CPU ({os.cpu_count()} cores)": r["machine_cpu_pct"],
                   "orchestrator CPU": r["orch_core_pct"],
                   f"station {busiest} CPU": station_core[busiest]}
@@ -279,14 +284,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nSIMULATED GPU stations: T={args.wave_ms} ms per whole-model wave at K={args.k}, hidden {args.hidden} "
               f"bfloat16 ({sim_rows[0]['hop_mib']:.2f} MiB per hop), {args.tokens} decode steps, P waves in flight")
         print("| P | path | tok/s | x P=1 | target | met | orchestrator CPU ms/step | orchestrator core % "
-              "| hop p50 ms | hop p99 ms | hop p50 by station ms | KiB through orchestrator/step | ms/step | wave calls "
+              "| hop p50 ms | hop p99 ms | hop p50 by station ms | turn p50 by station ms | KiB through orchestrator/step "
+              "| ms/step | wave calls "
               "| station CPU ms/step | machine CPU % | limit (busy %) |")
-        print("|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---|---:|---|")
+        print("|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---|---|---:|---:|---:|---|---:|---|")
         for r in sim_rows:
             print(f"| {r['stations']} | {r['path']} | {r['tok_s']:.0f} | {r['x_p1']:.2f} | {r['target_x']:.1f} "
                   f"| {'yes' if r['met'] else 'NO'} | {r['cpu_ms_per_step']:.2f} | {r['orch_core_pct']:.0f} "
                   f"| {r['hop_p50_ms']:.2f} "
-                  f"| {r['hop_p99_ms']:.2f} | {r['hop_p50_ms_by_station']} | {r['orch_kib_per_step']:.1f} "
+                  f"| {r['hop_p99_ms']:.2f} | {r['hop_p50_ms_by_station']} | {r['turn_p50_ms_by_station'] or '-'} "
+                  f"| {r['orch_kib_per_step']:.1f} "
                   f"| {r['wall_ms_per_step']:.1f} | {r['waves']} | {r['station_cpu_ms_per_step']} "
                   f"| {r['machine_cpu_pct']:.0f} | {r['limit']} ({r['limit_busy_pct']:.0f}) |")
     real_rows = [] if args.skip_real else real(args)

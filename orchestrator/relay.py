@@ -67,6 +67,9 @@ class RelayPipeline:
         # per station, its newest calls' transfer cost per decode step: the caller's wall time minus the callee's
         # own time, over the call's steps (a several-step call sums each relayed step's)
         self.hop_seconds: list[deque[float]] = [deque(maxlen=HOP_SAMPLES) for _ in links]
+        # per station, its newest calls' own turn per decode step: its time in the call less its step and its
+        # successor's call (the request's decode, the lock, the encoding and sending of rows and replies)
+        self.turn_seconds: list[deque[float]] = [deque(maxlen=HOP_SAMPLES) for _ in links]
         self._calls = ThreadPoolExecutor(max_workers=max_calls or 2 * len(links) + 2, thread_name_prefix="relay")
         self._running: set[Future] = set()
         self._running_lock = threading.Lock()
@@ -147,6 +150,11 @@ class RelayPipeline:
             return
         self.hop_seconds[0].append((time.perf_counter() - t0 - reply.served_seconds) / plan.steps)
         self.busy_seconds[0] += reply.output.seconds
+        served = [(reply.served_seconds, reply.output.seconds)] + [(h.served_seconds, h.forward_seconds)
+                                                                   for h in reply.hops]
+        onward = [h.call_seconds for h in reply.hops] + [0.0]
+        for i, ((own, step), call) in enumerate(zip(served, onward)):
+            self.turn_seconds[i].append(max(0.0, own - step - call) / plan.steps)
         for i, hop in enumerate(reply.hops, start=1):
             self.busy_seconds[i] += hop.forward_seconds
             self.hop_seconds[i].append((hop.call_seconds - hop.served_seconds) / plan.steps)

@@ -47,6 +47,12 @@ def test_sim_limit_names_the_busiest_resource():
     assert name.startswith("machine CPU") and busy == 97.0
     name, busy = scale.sim_limit({**row, "station_cpu_ms_per_step": [2.0, 19.8, 4.0, 2.0]}, 64.0)
     assert name == "station 1 CPU" and busy == pytest.approx(99.0)
+    # the direct path's station turns count on the wave's path: (64 + 10 + 4) / 4 = 19.5 of 20 ms
+    name, busy = scale.sim_limit({**row, "turn_p50_ms_by_station": [1.0, 1.0, 1.0, 1.0]}, 64.0)
+    assert name == "hops (10.0 ms) and station turns (4.0 ms) on the wave's path, a step" and busy == pytest.approx(97.5)
+    name, busy = scale.sim_limit({**row, "hop_p50_ms_by_station": [0.5, 0.5, 0.5, 0.5],
+                                  "turn_p50_ms_by_station": [0.5, 0.5, 0.5, 0.5]}, 64.0)
+    assert name.startswith("hops (2.0 ms) and station turns (2.0 ms)")  # together 6% of the path: named
 
 
 def test_sim_model_defaults_are_the_issue_figures():
@@ -75,6 +81,8 @@ def test_simulated_chain_serves_through_the_real_engine():
         assert got["hub"]["tokens"] == got["direct"]["tokens"]
         assert got["direct"]["path"] == "direct" and got["hub"]["path"] == "hub"
         assert got["direct"]["orch_kib_per_step"] < got["hub"]["orch_kib_per_step"]
+        turns = got["direct"]["turn_p50_ms_by_station"]  # each station's own time beside its step and its successor
+        assert len(turns) == 2 and all(0 <= t < 1000 for t in turns) and got["hub"]["turn_p50_ms_by_station"] == []
         for r in got.values():  # this process's CPU over the run, per step: a figure (not NaN), at most every core's
             (station_ms,) = r["station_cpu_ms_per_step"]
             assert 0 <= station_ms <= r["wall_ms_per_step"] * os.cpu_count() + 10, r
