@@ -68,8 +68,12 @@ class RelayLinkServer:
         while not self._stopped:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # the listener was closed: stop()
+            except OSError as err:
+                if self._stopped:
+                    return  # the listener was closed: stop()
+                log.warning("relay link: accept failed (%s); retrying", err)  # e.g. out of file descriptors
+                time.sleep(0.05)
+                continue
             if not self._slots.acquire(blocking=False):
                 self._refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"relay link: {self._max_connections} connections already open")
@@ -115,6 +119,8 @@ class RelayLinkServer:
                 self._reply(conn, body, rows, seconds)
         except (OSError, ValueError) as err:  # the peer went away, a TLS failure, a handshake timeout
             log.debug("relay link: connection ended: %s", err)
+        except Exception:  # noqa: BLE001 - a bug costs this connection, never the station
+            log.exception("relay link: connection failed unexpectedly")
         finally:
             with self._lock:
                 self._open.discard(raw)

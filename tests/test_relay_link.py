@@ -100,6 +100,22 @@ def test_direct_hops_travel_on_the_link_with_grpc_relays_tokens(tiny_llama, refe
                 s.stop(0)
 
 
+def test_a_chain_mixing_stations_with_and_without_links_relays_over_grpc_where_it_must(tiny_llama, reference):
+    """A station whose successor offers no link (InfoReply.relay_port 0) relays to it as a gRPC call; a station
+    started without links relays over gRPC even to one that has a link: same tokens, no link request anywhere."""
+    prompts, params, ref = reference
+    ranges = CHAINS[3]
+    servers = [start_server(Station(tiny_llama, StationSpec(layers=r)), token=TOKEN, relay_link=(i != 1))
+               for i, r in enumerate(ranges)]
+    try:
+        assert _run(tiny_llama, servers, "direct", prompts[:4], params[:4])[0] == ref[:4]
+        assert servers[1].relay_link is None and servers[2].relay_link.requests == 0
+        assert servers[1].servicer.wire_bytes["in"] > 0 and servers[2].servicer.wire_bytes["in"] > 0
+    finally:
+        for s in servers:
+            s.stop(0)
+
+
 def test_bad_frames_get_a_named_error_and_the_station_goes_on(tiny_llama, last_station):
     hidden = last_station.servicer.station.config.hidden_size
     station = last_station.servicer.station
