@@ -2,9 +2,10 @@
 connection (TLS where the cluster has it), without gRPC's per-call machinery.
 
 What a relayed hop carries is the same ForwardRequest / ForwardReply as a gRPC Forward call (station.proto,
-tensors as raw bytes); only the carriage differs. On this project's 2-core machines a 1 MiB gRPC call costs
-its two ends ~0.9 ms of CPU and ~3 thread switches, the link ~0.5 ms and one wake-up per side
-(bench/out/session23_ab.txt), which is what limits a chain of GPU-speed stations. gRPC stays for every call
+tensors as raw bytes); only the carriage differs. On this project's 2-core machines a 1 MiB hop's median
+latency in a chain of SIMULATED GPU stations falls from 2.4-4.0 ms as a gRPC call to 1.1-1.4 ms, and a relaying
+station's CPU by about a third (`mesh bench scale --relay link|grpc`, alternated: bench/out/session23_ab.txt part 2),
+which is what limits such a chain. gRPC stays for every call
 from the orchestrator, for health and for a successor that offers no link (InfoReply.relay_port 0).
 
 Its frames (HELLO with the token, REQUEST, REPLY, ERROR with a status code) are station.link_frames. One
@@ -47,10 +48,10 @@ class RelayLinkServer:
 
     def __init__(self, host: str, answer: Answer, *, token: str | None, tls: StationTls | None,
                  max_message_bytes: int, wire: WireBytes, max_connections: int = 32) -> None:
-        """`answer(request, time_remaining)`: the station's Forward; `wire`: where request ("in") and reply ("out")
-        bytes are counted, as the gRPC Forward counts them."""
+        """`answer(request, time_remaining, rows)`: the station's Forward; `wire`: where request ("in") and reply
+        ("out") bytes are counted, as the gRPC Forward counts them."""
         self._answer = answer
-        self._token = f"{check_token(token)}".encode() if token is not None else b""
+        self._token = check_token(token).encode() if token is not None else b""
         self._ssl = tls_context(tls, server=True) if tls is not None else None
         self._max_body = max_message_bytes
         self._wire = wire
@@ -238,17 +239,13 @@ class RelayLinkClient:
             body = self._expect_reply(conn, deadline)
             self._wire.add("in", len(body))
             reply = pb.ForwardReply.FromString(body)
-        except LinkError:
+        except (LinkError, OSError, ValueError, DecodeError) as err:  # the connection cannot be trusted after it
             if conn is not None:
                 conn.close()
-            raise
-        except (TimeoutError, socket.timeout):
-            if conn is not None:
-                conn.close()
-            raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "relay link: no answer before the deadline") from None
-        except (OSError, ValueError, DecodeError) as err:
-            if conn is not None:
-                conn.close()
+            if isinstance(err, LinkError):
+                raise
+            if isinstance(err, TimeoutError):  # socket.timeout is TimeoutError
+                raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "relay link: no answer before the deadline") from None
             raise LinkError(grpc.StatusCode.UNAVAILABLE, f"relay link: {type(err).__name__}: {err}") from None
         with self._lock:
             if not self._closed and len(self._idle) < self._max_idle:
