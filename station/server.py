@@ -1,17 +1,4 @@
-"""The gRPC servicer of one station (thin): decode a request, run the step, encode the reply.
-
-All validation lives in `mesh.core.wire` (message shape, dtypes, limits) and in
-`Station.forward` (positions, KV); this file only maps their errors to status codes:
-
-    WireError, StepError -> INVALID_ARGUMENT     KVBudgetError -> RESOURCE_EXHAUSTED
-    unparsable bytes     -> INVALID_ARGUMENT     over the message limit -> RESOURCE_EXHAUSTED (gRPC)
-    station busy         -> RESOURCE_EXHAUSTED   anything else -> INTERNAL (logged)
-
-and the server keeps serving after each. A station's KV is not thread-safe, so
-Forward and Release hold one lock; the server still runs a thread pool so that
-Info and the standard gRPC health service answer while a long forward runs. At
-most `max_pending` lock-taking calls wait at once, which keeps workers free for
-health checks whatever a client sends.
+"""A station's gRPC server: the servicer (station.servicer) on a port, with health, auth, mTLS and a relay link.
 
 Internal auth: started with `token=...`, the server refuses every call without the
 metadata `authorization: Bearer <token>` (compared in constant time) with
@@ -28,257 +15,23 @@ station before it, with the same token, mTLS and status codes.
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass
-from typing import TypeVar
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mesh.core.allocator import keep_large_blocks
-from mesh.core.config import DTYPE_BYTES, ConfigError, is_int
-from mesh.core.proto import station_pb2 as pb
+from mesh.core.config import DTYPE_BYTES
 from mesh.core.proto import station_pb2_grpc
 from mesh.core.transport import StationTls, host_port
-from mesh.core.wave import StationOutput, WaveEntry
-from mesh.core.wire import WireError, decode_forward, decode_relay, decode_steps, samples_to_proto, tensor_to_proto
-from mesh.core.wire_kv import MAX_COPY_BYTES, decode_export, decode_import
 from station.interceptors import SERVICE_NAME, CountForwardBytes, StrictDecode, TokenAuth, WireBytes
-from station.kv import KVBudgetError
 from station.probe import HealthProbe, ProbeConfig
-from station.relay import RelayError, Successors
+from station.relay import Successors
 from station.relay_link import RelayLinkServer
-from station.step import Station, StepError
+from station.servicer import ServerLimits, StationServicer
+from station.step import Station
 
 log = logging.getLogger(__name__)
-
-GRPC_MAX_MESSAGE = 2**31 - 1  # gRPC counts message lengths in a signed int32
-_R = TypeVar("_R")
-
-
-@dataclass(frozen=True, slots=True)
-class ServerLimits:
-    """What one station server accepts: wave size, worker threads, waiting calls, message bytes."""
-
-    max_entries: int = 256  # entries (sequences) in one wave
-    max_rows: int = 8192  # rows (sum of n_tokens) in one wave
-    max_workers: int = 8  # gRPC worker threads
-    max_pending: int = 4  # Forward/Release calls holding or waiting for the station at once
-    headroom_bytes: int = 1 << 20  # added to the largest payload for framing and metadata
-
-    def __post_init__(self) -> None:
-        for name in ("max_entries", "max_rows", "max_workers", "max_pending"):
-            v = getattr(self, name)
-            if not (is_int(v) and v > 0):
-                raise ConfigError(f"server.{name} must be a positive integer, got {v!r}")
-        if self.max_pending >= self.max_workers:
-            raise ConfigError(f"server.max_pending ({self.max_pending}) must be below max_workers "
-                              f"({self.max_workers}) so health and Info always find a free worker")
-        if not (isinstance(self.headroom_bytes, int) and self.headroom_bytes >= 0):
-            raise ConfigError(f"server.headroom_bytes must be >= 0, got {self.headroom_bytes!r}")
-
-    def message_bytes(self, hidden_size: int, kv_row_bytes: int = 0) -> int:
-        """Largest message either way: a full wave of float32 hidden rows, token ids, entries and samples, or a
-        KV copy of max_rows rows of `kv_row_bytes` each (K and V of every layer; at most MAX_COPY_BYTES, as the
-        orchestrator cuts copies), whichever is larger."""
-        hidden = self.max_rows * hidden_size * DTYPE_BYTES["float32"]
-        ids = self.max_rows * 10  # a varint int32 takes at most 10 bytes
-        per_entry = self.max_entries * 512  # an entry, or a sample with up to 20 top logprobs
-        copy = min(MAX_COPY_BYTES, self.max_rows * kv_row_bytes)
-        return min(GRPC_MAX_MESSAGE, max(hidden + ids, copy) + per_entry + self.headroom_bytes)
-
-
-class StationBusy(RuntimeError):
-    """Too many calls already hold or wait for the station."""
-
-
-class StationServicer(station_pb2_grpc.StationServicer):
-    """Forward / Release / ExportKV / ImportKV / Info over one Station; error classes map to status codes."""
-
-    def __init__(self, station: Station, limits: ServerLimits, wire: WireBytes, metrics_address: str = "",
-                 successors: Successors | None = None) -> None:
-        """`successors`: how this station reaches the next ones on a relayed wave (None: it refuses relays);
-        `wire`: the Forward byte counts (the server's CountForwardBytes and the successors count into it)."""
-        self.station = station
-        self.successors = successors
-        self.limits = limits
-        self.metrics_address = metrics_address
-        self._lock = threading.Lock()  # one station call at a time: the KV is not thread-safe
-        self._pending = threading.BoundedSemaphore(limits.max_pending)
-        self._positions_per_block: int | None = None
-        self.wire = wire  # Forward bytes, relays to the next station included (/metrics)
-        self.relay_port = 0  # the port of this station's relay link (start_server sets it), 0: none
-
-    def _exclusive(self, fn: Callable[[], _R]) -> _R:
-        """Run fn holding the station lock; refuse with StationBusy when max_pending calls already wait."""
-        if not self._pending.acquire(blocking=False):
-            raise StationBusy(f"station busy: {self.limits.max_pending} calls already hold or wait for it")
-        try:
-            with self._lock:
-                return fn()
-        finally:
-            self._pending.release()
-
-    def probe(self, hang_s: float) -> bool:
-        """Run the station's probe row under the station lock: False when the lock stays held for `hang_s`
-        (a forward that does not end) or the forward path fails."""
-        if not self._lock.acquire(timeout=hang_s):
-            return False
-        try:
-            self.station.probe()
-            return True
-        except Exception:  # noqa: BLE001 - any failure of the forward path means unhealthy
-            log.exception("health probe: the forward path failed")
-            return False
-        finally:
-            self._lock.release()
-
-    def _guarded(self, context: grpc.ServicerContext, method: str, fn: Callable[[], _R]) -> _R:
-        """Run fn; map a failure to its status code and abort the call (the server goes on)."""
-        try:
-            return fn()
-        except Exception as err:  # noqa: BLE001 - failure_status maps every class, a bug to INTERNAL
-            code, message = failure_status(err, method)
-        context.abort(code, message)  # raises
-        raise AssertionError("unreachable")
-
-    def Forward(self, request: pb.ForwardRequest, context: grpc.ServicerContext) -> pb.ForwardReply:
-        """One batched step over the wave in `request`; with `relay_to`, the output goes on to those stations
-        (station.relay) and their answer comes back."""
-        started = time.perf_counter()
-        reply = self._guarded(context, "Forward", lambda: self.forward(request, context.time_remaining))
-        reply.served_seconds = time.perf_counter() - started
-        return reply
-
-    def forward_answer(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None],
-                       hidden_data: bytearray | None = None) -> pb.ForwardReply | tuple[grpc.StatusCode, str]:
-        """Forward for a relay link (station.relay_link): the reply, or the status code and message of its failure."""
-        started = time.perf_counter()
-        try:
-            reply = self.forward(request, time_remaining, hidden_data)
-        except Exception as err:  # noqa: BLE001 - failure_status maps every class, a bug to INTERNAL
-            return failure_status(err, "Forward")
-        reply.served_seconds = time.perf_counter() - started
-        return reply
-
-    def forward(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None],
-                hidden_data: bytearray | None = None) -> pb.ForwardReply:
-        """The step (and relay) of one Forward request; `time_remaining()`: seconds left of the caller's deadline
-        (None: no deadline); `hidden_data`: the hidden rows' bytes where they came beside the request. Raises what
-        `failure_status` maps."""
-        st = self.station
-        _, entries, token_ids, hidden = decode_forward(
-            request, hidden_size=st.config.hidden_size, dtype=st.spec.dtype, vocab_size=st.config.vocab_size,
-            max_entries=self.limits.max_entries, max_rows=self.limits.max_rows, hidden_data=hidden_data)
-        relay_to, steps = decode_relay(request), decode_steps(request)
-        if relay_to and (self.successors is None or st.spec.end >= st.config.num_hidden_layers):
-            raise WireError("relay_to: this station cannot relay (it holds the last layer, or serves no relays)")
-        if relay_to and steps > 1:  # the first station of a chain runs each step and relays it
-            if token_ids is None:
-                raise WireError("steps: several decode steps through a relay chain start at its first station "
-                                "(token ids in)")
-            return self.successors.relay_steps(
-                request.wave_id, entries, token_ids, steps, relay_to, self._one_step, time_remaining,
-                block_tokens=self._block_tokens(), vocab_size=st.config.vocab_size)
-        out, kv = self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps),
-                                           kv_usage_proto(st)))
-        if relay_to:  # outside the station lock: the next wave computes while the successors run this one
-            return self.successors.relay(request.wave_id, request.entries, relay_to, out, kv, time_remaining())
-        if out.hidden is not None:
-            reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv)
-            tensor_to_proto(out.hidden, into=reply.hidden)
-            return reply
-        return pb.ForwardReply(samples=samples_to_proto(out.samples or []), forward_seconds=out.seconds, kv=kv)
-
-    @property
-    def wire_bytes(self) -> dict[str, int]:
-        """Forward message bytes in and out of this station, relays to the next station included."""
-        return self.wire.totals()
-
-    def _block_tokens(self) -> int:
-        """Positions per KV block at the station: how a several-step wave's block tables are cut per step."""
-        if self._positions_per_block is None:  # read on first use: a station's blocks never change size
-            self._positions_per_block = self.station.stats().kv.block_tokens
-        return self._positions_per_block
-
-    def _one_step(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor) -> tuple[StationOutput, pb.KVUsage]:
-        """One step of a several-step relayed wave, under the station lock (released between steps, so other
-        waves compute while this one's rows travel)."""
-        st = self.station
-        return self._exclusive(lambda: (st.forward(entries, token_ids=token_ids), kv_usage_proto(st)))
-
-    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
-        """Free the KV of the listed sequences; replies with how many were resident and the KV left."""
-        seq_ids = list(request.seq_ids)
-
-        def run() -> pb.ReleaseReply:
-            released, kv = self._exclusive(lambda: (self.station.release(seq_ids), kv_usage_proto(self.station)))
-            return pb.ReleaseReply(released=released, kv=kv)
-
-        return self._guarded(context, "Release", run)
-
-    def ExportKV(self, request: pb.ExportKVRequest, context: grpc.ServicerContext) -> pb.ExportKVReply:
-        """K and V of resident sequences' positions in some of this station's layers (a route switch's copy)."""
-        def run() -> pb.ExportKVReply:
-            entries, lo, hi = decode_export(request, max_entries=self.limits.max_entries,
-                                            max_rows=self.limits.max_rows)
-            (k, v), kv = self._exclusive(lambda: (self.station.export_kv(entries, lo, hi), kv_usage_proto(self.station)))
-            return pb.ExportKVReply(k=tensor_to_proto(k), v=tensor_to_proto(v), kv=kv)
-
-        return self._guarded(context, "ExportKV", run)
-
-    def ImportKV(self, request: pb.ImportKVRequest, context: grpc.ServicerContext) -> pb.ImportKVReply:
-        """Store KV copied from other stations, every layer of this station, as a Forward would have."""
-        def run() -> pb.ImportKVReply:
-            st, cfg = self.station, self.station.config
-            entries, k, v = decode_import(request, dtype=st.spec.dtype, layers=st.spec.end - st.spec.start,
-                                          kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                                          max_entries=self.limits.max_entries, max_rows=self.limits.max_rows)
-            kv = self._exclusive(lambda: (st.import_kv(entries, k, v), kv_usage_proto(st))[1])
-            return pb.ImportKVReply(kv=kv)
-
-        return self._guarded(context, "ImportKV", run)
-
-    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
-        """What the station holds and how full its KV is (lock-free: answers during a forward)."""
-        return self._guarded(context, "Info", lambda: info_reply(self.station, self.metrics_address,
-                                                                 self.relay_port))
-
-
-def failure_status(err: Exception, method: str) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a failed call answers with (module docstring's table)."""
-    if isinstance(err, (WireError, StepError)):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
-    if isinstance(err, (KVBudgetError, StationBusy)):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
-    if isinstance(err, RelayError):  # the successor's own status, handed on
-        return err.code, str(err)
-    log.error("%s failed unexpectedly", method, exc_info=err)  # a bug must cost one call, not the server
-    return grpc.StatusCode.INTERNAL, f"{method}: {type(err).__name__}: {err}"
-
-
-def kv_usage_proto(station: Station) -> pb.KVUsage:
-    """The station's KV occupancy as sent with every Forward and Release reply (read under the station lock)."""
-    kv = station.kv_usage()
-    return pb.KVUsage(bytes_used=kv.bytes_used, blocks_used=kv.blocks_used, sequences=kv.sequences,
-                      changes=kv.changes)
-
-
-def info_reply(station: Station, metrics_address: str = "", relay_port: int = 0) -> pb.InfoReply:
-    """The InfoReply of a station: layer range, shape, dtype, KV occupancy, and its relay link's port (0: none)."""
-    stats, cfg, spec = station.stats(), station.config, station.spec
-    return pb.InfoReply(
-        model=station.model_dir.name, layer_start=spec.start, layer_end=spec.end,
-        num_layers=cfg.num_hidden_layers, device=spec.device, dtype=spec.dtype,
-        kv_bytes_used=stats.kv.bytes_used, kv_bytes_total=stats.kv.bytes_total, sequences=stats.kv.sequences,
-        block_tokens=stats.kv.block_tokens, kv_blocks_total=stats.kv.blocks_total,
-        kv_blocks_used=stats.kv.blocks_used, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-        metrics_address=metrics_address, prefill_chunk_invariant=station.prefill_chunk_invariant,
-        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, relay_port=relay_port)
 
 
 class StationServer:

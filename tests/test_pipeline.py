@@ -15,7 +15,8 @@ from orchestrator.engine import Engine
 from orchestrator.pipeline import LocalLink, Pipeline
 from orchestrator.remote import RemoteLink
 from orchestrator.scheduler_types import WavePlan
-from station.server import StationServicer, start_server
+from station.server import start_server
+from station.servicer import StationServicer
 from station.step import Station
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
