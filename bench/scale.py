@@ -1,7 +1,8 @@
 """`mesh bench scale`: does adding stations add throughput? Hub vs direct transfer (issue 13 items 2 and 4).
 
     mesh bench scale [--stations 1,2,4,8] [--paths hub,direct] [--wave-ms 64] [--k 64] [--hidden 8192]
-                     [--tokens 128] [--real-stations 2,3] [--real-k 16,32] [--skip-sim] [--skip-real] [--quick]
+                     [--tokens 128] [--rounds 1] [--real-stations 2,3] [--real-k 16,32] [--skip-sim] [--skip-real]
+                     [--quick]
 
 SIMULATED part (bench/sim_station.py): P evenly split stations, each a real gRPC server in its own process
 with the cluster token, whose step is a sleep of f * T (T = --wave-ms for the whole model at K = --k rows,
@@ -18,7 +19,9 @@ run over all cores), and the limit (`sim_limit`): the busiest of the wave's path
 the modelled device time plus the hops), the machine's cores, the orchestrator's thread and the busiest station
 process, with how busy it was. A step is one K-row wave's step (requests x tokens / K of them); once only decodes
 run, a wave call runs up to --decode-steps of them (the lone station, or the first station of a direct chain, feeds each
-step's samples into the next), so "wave calls" counts fewer.
+step's samples into the next), so "wave calls" counts fewer. `--rounds N` runs the whole sweep N times, P=1 first in
+each, and keeps for each point the round with the median ratio to its own round's P=1 (every round's ratio is shown):
+on a machine whose speed drifts within minutes, a point is then not weighed against a P=1 run at another moment.
 
 Real part: the `bench` preset over 2 and 3 real station processes (torch threads = cores // N), K concurrent
 greedy requests (prompt 32, --tokens): wall time and bytes through the orchestrator per wave, hub vs direct,
@@ -199,7 +202,31 @@ def sim_model_config(sim: SimModel) -> ModelConfig:
 
 
 def simulated(args) -> list[dict]:
-    """The SIMULATED table: P stations x paths, P waves of K rows in flight."""
+    """The SIMULATED table: P stations x paths, P waves of K rows in flight; with --rounds N, N whole sweeps, each
+    point's ratio taken against its own round's P=1, and the median round of each point kept (merge_rounds)."""
+    rounds = []
+    for n in range(args.rounds):
+        if args.rounds > 1:
+            log(f"SIMULATED round {n + 1} of {args.rounds}")
+        rounds.append(_simulated_round(args))
+    return merge_rounds(rounds)
+
+
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per point: the round whose ratio to its own P=1 is the median of the point's rounds (the lower
+    median for an even count), so every figure of the row comes from one run; `x_p1_rounds` lists each round's
+    ratio in round order. A machine that drifts during a sweep then moves a point's P=1 with it."""
+    merged = []
+    for runs in zip(*rounds):
+        ranked = sorted(runs, key=lambda r: r["x_p1"])
+        row = dict(ranked[(len(ranked) - 1) // 2])
+        row["x_p1_rounds"] = [round(r["x_p1"], 2) for r in runs]
+        merged.append(row)
+    return merged
+
+
+def _simulated_round(args) -> list[dict]:
+    """One sweep of the SIMULATED points, P=1 first (the base of this round's ratios)."""
     sim = SimModel(num_layers=args.num_layers, hidden_size=args.hidden, wave_s=args.wave_ms / 1000, k_rows=args.k)
     rows, base = [], None
     for p in args.stations:
@@ -271,10 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--real-k", type=ints, default=[16, 32])
     p.add_argument("--relay", choices=("link", "grpc"), default="link",
                    help="how the direct path's hops travel: relay links (station/relay_link.py) or gRPC calls")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="SIMULATED sweeps, alternated; each point against its own round's P=1, the median kept")
     p.add_argument("--skip-sim", action="store_true")
     p.add_argument("--skip-real", action="store_true")
     p.add_argument("--quick", action="store_true", help="a smoke run: small shapes, the tiny model")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.quick:
         args.stations, args.k, args.hidden, args.tokens, args.real_k = [1, 2], 8, 256, 4, [4]
     print(f"command: mesh bench scale {' '.join(argv if argv is not None else sys.argv[1:])}")
@@ -282,16 +313,18 @@ def main(argv: list[str] | None = None) -> int:
     sim_rows = [] if args.skip_sim else simulated(args)
     if sim_rows:
         print(f"\nSIMULATED GPU stations: T={args.wave_ms} ms per whole-model wave at K={args.k}, hidden {args.hidden} "
-              f"bfloat16 ({sim_rows[0]['hop_mib']:.2f} MiB per hop), {args.tokens} decode steps, P waves in flight")
+              f"bfloat16 ({sim_rows[0]['hop_mib']:.2f} MiB per hop), {args.tokens} decode steps, P waves in flight"
+              + (f", the median of {args.rounds} rounds" if args.rounds > 1 else ""))
         print("| P | path | tok/s | x P=1 | target | met | orchestrator CPU ms/step | orchestrator core % "
-              "| hop p50 ms | hop p99 ms | hop p50 by station ms | turn p50 by station ms | KiB through orchestrator/step "
+              "| x P=1 by round | hop p50 ms | hop p99 ms | hop p50 by station ms | turn p50 by station ms "
+              "| KiB through orchestrator/step "
               "| ms/step | wave calls "
               "| station CPU ms/step | machine CPU % | limit (busy %) |")
-        print("|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---|---|---:|---:|---:|---|---:|---|")
+        print("|---:|---|---:|---:|---:|---|---:|---:|---|---:|---:|---|---|---:|---:|---:|---|---:|---|")
         for r in sim_rows:
             print(f"| {r['stations']} | {r['path']} | {r['tok_s']:.0f} | {r['x_p1']:.2f} | {r['target_x']:.1f} "
                   f"| {'yes' if r['met'] else 'NO'} | {r['cpu_ms_per_step']:.2f} | {r['orch_core_pct']:.0f} "
-                  f"| {r['hop_p50_ms']:.2f} "
+                  f"| {r['x_p1_rounds']} | {r['hop_p50_ms']:.2f} "
                   f"| {r['hop_p99_ms']:.2f} | {r['hop_p50_ms_by_station']} | {r['turn_p50_ms_by_station'] or '-'} "
                   f"| {r['orch_kib_per_step']:.1f} "
                   f"| {r['wall_ms_per_step']:.1f} | {r['waves']} | {r['station_cpu_ms_per_step']} "

@@ -90,3 +90,18 @@ def test_simulated_chain_serves_through_the_real_engine():
     finally:
         for s in servers:
             s.stop(0)
+
+
+def test_merge_rounds_keeps_each_points_median_round():
+    """--rounds: each point's row is the round with its median ratio to that round's own P=1, whole."""
+    def rnd(p1: float, p4: float, hop: float) -> list[dict]:
+        return [{"stations": 1, "x_p1": 1.0, "tok_s": p1, "hop_p50_ms": 0.1},
+                {"stations": 4, "x_p1": p4 / p1, "tok_s": p4, "hop_p50_ms": hop}]
+    rounds = [rnd(100.0, 340.0, 1.0), rnd(90.0, 324.0, 2.0), rnd(100.0, 330.0, 3.0)]  # 3.4x, 3.6x, 3.3x
+    merged = scale.merge_rounds(rounds)
+    assert [r["stations"] for r in merged] == [1, 4]
+    assert merged[1]["x_p1"] == pytest.approx(3.4) and merged[1]["hop_p50_ms"] == 1.0  # the median round, whole
+    assert merged[1]["x_p1_rounds"] == [3.4, 3.6, 3.3] and merged[0]["x_p1_rounds"] == [1.0, 1.0, 1.0]
+    even = scale.merge_rounds(rounds[:2])  # 3.4x and 3.6x: the lower median
+    assert even[1]["x_p1"] == pytest.approx(3.4)
+    assert scale.merge_rounds(rounds[:1])[1]["x_p1_rounds"] == [3.4]  # one round: the row as it was
