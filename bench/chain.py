@@ -43,7 +43,8 @@ from mesh.control.layer_plan import plan_layers, split_weights
 from mesh.core.config import SUPPORTED_DTYPES, ModelConfig, SchedulerConfig, StationSpec
 from mesh.core.params import SamplingParams
 from mesh.core.proto import station_pb2 as pb
-from mesh.core.wire import encode_forward, samples_to_proto, tensor_to_proto
+from mesh.core.wire import encode_forward, samples_to_proto
+from mesh.core.wire_tensor import tensor_to_proto
 from orchestrator.engine import Engine
 from orchestrator.pipeline import LocalLink
 from station.step import Station

@@ -27,7 +27,8 @@ from mesh.core.transport import StationTls, bearer_metadata
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
 from mesh.core.wave import KVUsage, StationOutput, WaveEntry, wave_rows
-from mesh.core.wire import WireError, encode_forward, proto_to_samples, proto_to_tensor
+from mesh.core.wire import encode_forward, proto_to_samples
+from mesh.core.wire_tensor import WireError, proto_to_tensor
 from mesh.core.wire_kv import encode_export, encode_import, kv_rows_from_proto
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20

@@ -37,7 +37,8 @@ import torch
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.transport import StationTls, bearer_metadata
 from mesh.core.wave import StationOutput, WaveEntry, decode_step_entries, decode_steps_problem
-from mesh.core.wire import WireError, entries_to_proto, proto_to_samples, tensor_bytes, tensor_header, tensor_to_proto
+from mesh.core.wire import entries_to_proto, proto_to_samples
+from mesh.core.wire_tensor import WireError, tensor_bytes, tensor_header, tensor_to_proto
 from station.client import station_channel
 from station.interceptors import FORWARD_METHOD, INFO_METHOD, WireBytes
 from station.link_frames import LinkError

@@ -30,7 +30,8 @@ from mesh.core.config import DTYPE_BYTES, ConfigError, is_int
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
 from mesh.core.wave import StationOutput, WaveEntry
-from mesh.core.wire import WireError, decode_forward, decode_relay, decode_steps, samples_to_proto, tensor_to_proto
+from mesh.core.wire import decode_forward, decode_relay, decode_steps, samples_to_proto
+from mesh.core.wire_tensor import WireError, tensor_to_proto
 from mesh.core.wire_kv import MAX_COPY_BYTES, decode_export, decode_import
 from station.interceptors import WireBytes
 from station.kv import KVBudgetError

@@ -47,7 +47,7 @@ WIRE_SCRIPT = textwrap.dedent("""
     from mesh.core.config import StationSpec
     from mesh.core.hostinfo import minor_faults
     from mesh.core.proto import station_pb2 as pb
-    from mesh.core.wire import proto_to_tensor, tensor_to_proto
+    from mesh.core.wire_tensor import proto_to_tensor, tensor_to_proto
     if sys.argv[1] == "client":
         from station.client import StationClient
         StationClient("127.0.0.1:1")  # the orchestrator's side; a channel dials lazily: nothing is called

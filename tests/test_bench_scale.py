@@ -1,5 +1,6 @@
-"""bench/scale.py's arithmetic and its SIMULATED station (no timed assertions): layer splits, percentiles, the
-scaling targets, the modelled step and payload, and a simulated chain driven by the real engine over gRPC."""
+"""`mesh bench scale` without timed assertions: its arithmetic (bench/scale_figures.py: layer splits, percentiles,
+the scaling targets, the limit, the rounds' median), the modelled step and payload, and a simulated chain driven by
+the real engine over gRPC (bench/scale.py)."""
 from __future__ import annotations
 
 import math
@@ -11,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import scale
+import scale_figures
 from sim_station import SimModel, SimulatedStation
 
 from mesh.core.wave import WaveEntry
@@ -19,19 +21,19 @@ from station.step import StepError
 
 
 def test_even_split_covers_every_layer_once():
-    assert scale.even_split(80, 1) == [(0, 80)]
-    assert scale.even_split(80, 8) == [(i * 10, i * 10 + 10) for i in range(8)]
-    assert scale.even_split(10, 3) == [(0, 3), (3, 7), (7, 10)]
+    assert scale_figures.even_split(80, 1) == [(0, 80)]
+    assert scale_figures.even_split(80, 8) == [(i * 10, i * 10 + 10) for i in range(8)]
+    assert scale_figures.even_split(10, 3) == [(0, 3), (3, 7), (7, 10)]
     with pytest.raises(ValueError, match="cannot split 4 layers into 5"):
-        scale.even_split(4, 5)
+        scale_figures.even_split(4, 5)
 
 
 def test_percentile_and_targets():
     values = [float(v) for v in range(1, 101)]
-    assert (scale.percentile(values, 50), scale.percentile(values, 99), scale.percentile(values, 100)) == (50, 99, 100)
-    assert scale.percentile([3.0], 99) == 3.0 and math.isnan(scale.percentile([], 50))
-    assert scale.scaling_verdict(4, 3700, 1000) == (3.7, 3.6, True)
-    ratio, target, met = scale.scaling_verdict(8, 5000, 1000)
+    assert (scale_figures.percentile(values, 50), scale_figures.percentile(values, 99), scale_figures.percentile(values, 100)) == (50, 99, 100)
+    assert scale_figures.percentile([3.0], 99) == 3.0 and math.isnan(scale_figures.percentile([], 50))
+    assert scale_figures.scaling_verdict(4, 3700, 1000) == (3.7, 3.6, True)
+    ratio, target, met = scale_figures.scaling_verdict(8, 5000, 1000)
     assert (ratio, round(target, 6), met) == (5.0, 5.6, False)
 
 
@@ -39,18 +41,18 @@ def test_sim_limit_names_the_busiest_resource():
     """The limit is whichever of the wave's path, the machine, the orchestrator and a station was busiest."""
     row = {"stations": 4, "wall_ms_per_step": 20.0, "hop_p50_ms_by_station": [0.5, 3.0, 3.0, 3.5],
            "station_cpu_ms_per_step": [2.0, 3.0, 4.0, 2.0], "machine_cpu_pct": 30.0, "orch_core_pct": 6.0}
-    name, busy = scale.sim_limit(row, 64.0)  # (64 + 10) / 4 waves = 18.5 of 20 ms a step
+    name, busy = scale_figures.sim_limit(row, 64.0)  # (64 + 10) / 4 waves = 18.5 of 20 ms a step
     assert name == "hops on the wave's path (10.0 ms a step)" and busy == pytest.approx(92.5)
-    name, busy = scale.sim_limit({**row, "hop_p50_ms_by_station": [0.5, 0.5, 0.5, 0.5]}, 64.0)
+    name, busy = scale_figures.sim_limit({**row, "hop_p50_ms_by_station": [0.5, 0.5, 0.5, 0.5]}, 64.0)
     assert name == "device (modelled step)" and busy == pytest.approx(82.5)  # hops under 5% of the path
-    name, busy = scale.sim_limit({**row, "machine_cpu_pct": 97.0}, 64.0)
+    name, busy = scale_figures.sim_limit({**row, "machine_cpu_pct": 97.0}, 64.0)
     assert name.startswith("machine CPU") and busy == 97.0
-    name, busy = scale.sim_limit({**row, "station_cpu_ms_per_step": [2.0, 19.8, 4.0, 2.0]}, 64.0)
+    name, busy = scale_figures.sim_limit({**row, "station_cpu_ms_per_step": [2.0, 19.8, 4.0, 2.0]}, 64.0)
     assert name == "station 1 CPU" and busy == pytest.approx(99.0)
     # the direct path's station turns count on the wave's path: (64 + 10 + 4) / 4 = 19.5 of 20 ms
-    name, busy = scale.sim_limit({**row, "turn_p50_ms_by_station": [1.0, 1.0, 1.0, 1.0]}, 64.0)
+    name, busy = scale_figures.sim_limit({**row, "turn_p50_ms_by_station": [1.0, 1.0, 1.0, 1.0]}, 64.0)
     assert name == "hops (10.0 ms) and station turns (4.0 ms) on the wave's path, a step" and busy == pytest.approx(97.5)
-    name, busy = scale.sim_limit({**row, "hop_p50_ms_by_station": [0.5, 0.5, 0.5, 0.5],
+    name, busy = scale_figures.sim_limit({**row, "hop_p50_ms_by_station": [0.5, 0.5, 0.5, 0.5],
                                   "turn_p50_ms_by_station": [0.5, 0.5, 0.5, 0.5]}, 64.0)
     assert name.startswith("hops (2.0 ms) and station turns (2.0 ms)")  # together 6% of the path: named
 
@@ -98,10 +100,10 @@ def test_merge_rounds_keeps_each_points_median_round():
         return [{"stations": 1, "x_p1": 1.0, "tok_s": p1, "hop_p50_ms": 0.1},
                 {"stations": 4, "x_p1": p4 / p1, "tok_s": p4, "hop_p50_ms": hop}]
     rounds = [rnd(100.0, 340.0, 1.0), rnd(90.0, 324.0, 2.0), rnd(100.0, 330.0, 3.0)]  # 3.4x, 3.6x, 3.3x
-    merged = scale.merge_rounds(rounds)
+    merged = scale_figures.merge_rounds(rounds)
     assert [r["stations"] for r in merged] == [1, 4]
     assert merged[1]["x_p1"] == pytest.approx(3.4) and merged[1]["hop_p50_ms"] == 1.0  # the median round, whole
     assert merged[1]["x_p1_rounds"] == [3.4, 3.6, 3.3] and merged[0]["x_p1_rounds"] == [1.0, 1.0, 1.0]
-    even = scale.merge_rounds(rounds[:2])  # 3.4x and 3.6x: the lower median
+    even = scale_figures.merge_rounds(rounds[:2])  # 3.4x and 3.6x: the lower median
     assert even[1]["x_p1"] == pytest.approx(3.4)
-    assert scale.merge_rounds(rounds[:1])[1]["x_p1_rounds"] == [3.4]  # one round: the row as it was
+    assert scale_figures.merge_rounds(rounds[:1])[1]["x_p1_rounds"] == [3.4]  # one round: the row as it was

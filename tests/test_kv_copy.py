@@ -13,7 +13,7 @@ from mesh.core.config import ModelConfig, SchedulerConfig, StationSpec
 from mesh.core.params import SamplingParams
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.wave import WaveEntry
-from mesh.core.wire import tensor_to_proto
+from mesh.core.wire_tensor import tensor_to_proto
 from mesh.core.wire_kv import encode_import
 from orchestrator.engine import Engine
 from orchestrator.kv_move import CopySourceFailed, KVCopier, _pieces

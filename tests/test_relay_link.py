@@ -17,7 +17,8 @@ from mesh.core.params import SamplingParams
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.transport import StationTls
 from mesh.core.wave import WaveEntry
-from mesh.core.wire import entries_to_proto, tensor_to_proto
+from mesh.core.wire import entries_to_proto
+from mesh.core.wire_tensor import tensor_to_proto
 from station.interceptors import WireBytes
 from station.link_frames import ERROR, HEADER, HELLO, MAGIC, REPLY, REQUEST, VERSION, LinkError
 from station.relay_link import RelayLinkClient

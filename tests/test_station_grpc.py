@@ -13,7 +13,8 @@ from mesh.core.params import SamplingParams
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
 from mesh.core.wave import WaveEntry
-from mesh.core.wire import WireError, encode_forward, tensor_to_proto
+from mesh.core.wire import encode_forward
+from mesh.core.wire_tensor import WireError, tensor_to_proto
 from station.client import StationCallError, StationClient
 from station.generate import generate_one
 from station.server import ServerLimits, start_server

@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from mesh.core import wire
+from mesh.core import wire, wire_tensor
 from mesh.core.params import SamplingParams
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.wave import SampledToken, WaveEntry
@@ -19,8 +19,8 @@ LIMITS = dict(hidden_size=8, dtype="bfloat16", vocab_size=100, max_entries=4, ma
 
 def _tensor(dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     if dtype.startswith("int"):
-        return torch.randint(-(2**30), 2**30, shape, dtype=wire.DTYPES[dtype])
-    return torch.randn(shape).to(wire.DTYPES[dtype])
+        return torch.randint(-(2**30), 2**30, shape, dtype=wire_tensor.DTYPES[dtype])
+    return torch.randn(shape).to(wire_tensor.DTYPES[dtype])
 
 
 def _entries() -> tuple[WaveEntry, ...]:
@@ -39,10 +39,10 @@ def _raises(field: str):
 @pytest.mark.parametrize("shape", [(0,), (5,), (3, 4), (2, 0, 3), (2, 3, 4), ()])
 def test_tensor_round_trip(dtype: str, shape: tuple[int, ...]) -> None:
     t = _tensor(dtype, shape)
-    msg = wire.tensor_to_proto(t)
+    msg = wire_tensor.tensor_to_proto(t)
     assert msg.dtype == dtype and tuple(msg.shape) == shape
     assert len(msg.data) == t.numel() * t.element_size()
-    back = wire.proto_to_tensor(pb.Tensor.FromString(msg.SerializeToString()))
+    back = wire_tensor.proto_to_tensor(pb.Tensor.FromString(msg.SerializeToString()))
     assert back.dtype == t.dtype and back.shape == t.shape
     assert torch.equal(back, t)
     back.add_(1)  # writable and owns its memory
@@ -56,67 +56,67 @@ def test_one_dtype_table_behind_config_loader_and_wire() -> None:
 
     assert tuple(TORCH_DTYPES) == SUPPORTED_DTYPES
     assert {name: dt.itemsize for name, dt in TORCH_DTYPES.items()} == DTYPE_BYTES
-    assert set(wire.DTYPES) == set(SUPPORTED_DTYPES) | {"int32", "int64"}
-    assert all(wire.DTYPES[name] is dt for name, dt in TORCH_DTYPES.items())
-    assert all(wire.dtype_itemsize(name) == size for name, size in DTYPE_BYTES.items())
+    assert set(wire_tensor.DTYPES) == set(SUPPORTED_DTYPES) | {"int32", "int64"}
+    assert all(wire_tensor.DTYPES[name] is dt for name, dt in TORCH_DTYPES.items())
+    assert all(wire_tensor.dtype_itemsize(name) == size for name, size in DTYPE_BYTES.items())
 
 
 def test_tensor_non_contiguous_and_little_endian() -> None:
     t = torch.arange(12, dtype=torch.int32).reshape(3, 4).t()  # [4, 3], not contiguous
-    msg = wire.tensor_to_proto(t)
-    assert torch.equal(wire.proto_to_tensor(msg), t)
-    assert wire.tensor_to_proto(torch.tensor([1], dtype=torch.int32)).data == b"\x01\x00\x00\x00"
-    assert wire.tensor_to_proto(torch.tensor([1.0], dtype=torch.bfloat16)).data == b"\x80\x3f"
+    msg = wire_tensor.tensor_to_proto(t)
+    assert torch.equal(wire_tensor.proto_to_tensor(msg), t)
+    assert wire_tensor.tensor_to_proto(torch.tensor([1], dtype=torch.int32)).data == b"\x01\x00\x00\x00"
+    assert wire_tensor.tensor_to_proto(torch.tensor([1.0], dtype=torch.bfloat16)).data == b"\x80\x3f"
 
 
 def test_tensor_decoded_does_not_alias_message() -> None:
-    msg = wire.tensor_to_proto(torch.zeros(4))
-    a = wire.proto_to_tensor(msg)
+    msg = wire_tensor.tensor_to_proto(torch.zeros(4))
+    a = wire_tensor.proto_to_tensor(msg)
     a.fill_(3.0)
-    assert torch.equal(wire.proto_to_tensor(msg), torch.zeros(4))
+    assert torch.equal(wire_tensor.proto_to_tensor(msg), torch.zeros(4))
 
 
 def test_tensor_unsupported_dtype() -> None:
     with _raises("tensor.dtype"):
-        wire.tensor_to_proto(torch.zeros(2, dtype=torch.float64))
+        wire_tensor.tensor_to_proto(torch.zeros(2, dtype=torch.float64))
 
 
 def test_tensor_validation_errors() -> None:
-    good = wire.tensor_to_proto(torch.zeros(2, 3))
+    good = wire_tensor.tensor_to_proto(torch.zeros(2, 3))
     with _raises("tensor.dtype"):
-        wire.proto_to_tensor(pb.Tensor(dtype="float64", shape=[2], data=bytes(16)))
+        wire_tensor.proto_to_tensor(pb.Tensor(dtype="float64", shape=[2], data=bytes(16)))
     with _raises("hidden.dtype"):
-        wire.proto_to_tensor(good, expect_dtype="bfloat16", field="hidden")
+        wire_tensor.proto_to_tensor(good, expect_dtype="bfloat16", field="hidden")
     with _raises("tensor.shape[1]"):
-        wire.proto_to_tensor(pb.Tensor(dtype="float32", shape=[2, -3], data=b""))
+        wire_tensor.proto_to_tensor(pb.Tensor(dtype="float32", shape=[2, -3], data=b""))
     with _raises("tensor.data"):
-        wire.proto_to_tensor(pb.Tensor(dtype="float32", shape=[2, 3], data=bytes(20)))
+        wire_tensor.proto_to_tensor(pb.Tensor(dtype="float32", shape=[2, 3], data=bytes(20)))
     with _raises("tensor.data"):
-        wire.proto_to_tensor(pb.Tensor(dtype="float32", shape=[2, 3], data=bytes(28)))
+        wire_tensor.proto_to_tensor(pb.Tensor(dtype="float32", shape=[2, 3], data=bytes(28)))
     with _raises("tensor.shape"):
-        wire.proto_to_tensor(good, expect_shape=(2, 3, 1))
+        wire_tensor.proto_to_tensor(good, expect_shape=(2, 3, 1))
     with _raises("tensor.shape[0]"):
-        wire.proto_to_tensor(good, expect_shape=(4, None))
-    assert wire.proto_to_tensor(good, expect_shape=(None, 3)).shape == (2, 3)
+        wire_tensor.proto_to_tensor(good, expect_shape=(4, None))
+    assert wire_tensor.proto_to_tensor(good, expect_shape=(None, 3)).shape == (2, 3)
     with _raises("tensor"):
-        wire.proto_to_tensor(good, max_bytes=23)
-    assert wire.proto_to_tensor(good, max_bytes=24).shape == (2, 3)
+        wire_tensor.proto_to_tensor(good, max_bytes=23)
+    assert wire_tensor.proto_to_tensor(good, max_bytes=24).shape == (2, 3)
     with _raises("tensor.shape"):
-        wire.proto_to_tensor(pb.Tensor(dtype="int64", shape=[1] * 9, data=bytes(8)))
+        wire_tensor.proto_to_tensor(pb.Tensor(dtype="int64", shape=[1] * 9, data=bytes(8)))
 
 
 def test_tensor_huge_dims() -> None:
     big = 2**62
     # the product overflows int64: refused before any allocation, even with a zero dim
     with _raises("tensor.shape"):
-        wire.proto_to_tensor(pb.Tensor(dtype="float32", shape=[big, big, 0], data=b""))
+        wire_tensor.proto_to_tensor(pb.Tensor(dtype="float32", shape=[big, big, 0], data=b""))
     with _raises("tensor.shape"):
-        wire.proto_to_tensor(pb.Tensor(dtype="float32", shape=[big, big], data=bytes(8)))
+        wire_tensor.proto_to_tensor(pb.Tensor(dtype="float32", shape=[big, big], data=bytes(8)))
     # fits in int64 but exceeds the byte budget / the payload
     with _raises("tensor"):
-        wire.proto_to_tensor(pb.Tensor(dtype="float32", shape=[2**20, 2**20], data=bytes(8)), max_bytes=2**30)
+        wire_tensor.proto_to_tensor(pb.Tensor(dtype="float32", shape=[2**20, 2**20], data=bytes(8)), max_bytes=2**30)
     with _raises("tensor.data"):
-        wire.proto_to_tensor(pb.Tensor(dtype="bfloat16", shape=[2**31, 2**20], data=bytes(8)))
+        wire_tensor.proto_to_tensor(pb.Tensor(dtype="bfloat16", shape=[2**31, 2**20], data=bytes(8)))
 
 
 # ---- entries -----------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def test_encode_forward_errors() -> None:
 
 def _hidden_req(dtype: str = "bfloat16", rows: int = 6, width: int = 8) -> pb.ForwardRequest:
     req = wire.encode_forward(3, _entries(), None, torch.zeros(6, 8, dtype=torch.bfloat16))
-    req.hidden.CopyFrom(wire.tensor_to_proto(torch.zeros(rows, width, dtype=wire.DTYPES[dtype])))
+    req.hidden.CopyFrom(wire_tensor.tensor_to_proto(torch.zeros(rows, width, dtype=wire_tensor.DTYPES[dtype])))
     return req
 
 
@@ -279,10 +279,10 @@ def test_decode_forward_errors() -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_decode_forward_refuses_non_finite_rows_and_takes_the_largest_finite(dtype: str) -> None:
-    torch_dtype = wire.DTYPES[dtype]
+    torch_dtype = wire_tensor.DTYPES[dtype]
     largest = torch.finfo(torch_dtype).max
     req = _hidden_req(dtype)
-    req.hidden.CopyFrom(wire.tensor_to_proto(torch.full((6, 8), largest, dtype=torch_dtype)))
+    req.hidden.CopyFrom(wire_tensor.tensor_to_proto(torch.full((6, 8), largest, dtype=torch_dtype)))
     _, _, _, hidden = wire.decode_forward(req, **{**LIMITS, "dtype": dtype})  # every value at the top of the range
     assert bool((hidden == largest).all())
     for row, values in ((0, [float("nan")]), (3, [float("inf")]), (5, [float("-inf")]),
@@ -290,19 +290,19 @@ def test_decode_forward_refuses_non_finite_rows_and_takes_the_largest_finite(dty
         h = torch.full((6, 8), -largest, dtype=torch_dtype)
         for col, v in enumerate(values):
             h[row, col] = v
-        req.hidden.CopyFrom(wire.tensor_to_proto(h))
+        req.hidden.CopyFrom(wire_tensor.tensor_to_proto(h))
         with _raises(f"hidden[{row}]"):
             wire.decode_forward(req, **{**LIMITS, "dtype": dtype})
 
 
 def test_all_finite_on_every_float_width() -> None:
     huge = torch.full((4, 4), torch.finfo(torch.float64).max, dtype=torch.float64)
-    assert wire.all_finite(huge)
+    assert wire_tensor.all_finite(huge)
     huge[1, 2] = float("nan")
-    assert not wire.all_finite(huge)
-    assert wire.all_finite(torch.arange(5)) and wire.all_finite(torch.empty(0, 8))
-    assert wire.all_finite(torch.full((3, 5), -1e-40)[:, 1:4])  # subnormal, not contiguous
-    assert not wire.all_finite(torch.tensor([1.0, float("-inf")], dtype=torch.float16))
+    assert not wire_tensor.all_finite(huge)
+    assert wire_tensor.all_finite(torch.arange(5)) and wire_tensor.all_finite(torch.empty(0, 8))
+    assert wire_tensor.all_finite(torch.full((3, 5), -1e-40)[:, 1:4])  # subnormal, not contiguous
+    assert not wire_tensor.all_finite(torch.tensor([1.0, float("-inf")], dtype=torch.float16))
 
 
 def test_entries_sharing_sampling_values_share_one_object_and_others_keep_theirs() -> None:

@@ -26,7 +26,8 @@ from mesh.core.params import SamplingParams
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
 from mesh.core.wave import WaveEntry
-from mesh.core.wire import DTYPES, entries_to_proto, proto_to_entries
+from mesh.core.wire import entries_to_proto, proto_to_entries
+from mesh.core.wire_tensor import DTYPES
 from station.server import ServerLimits, start_server
 from station.step import Station
 

@@ -1,9 +1,9 @@
-"""Tensors, wave entries and sampled tokens <-> the typed messages of station.proto.
+"""Wave entries, sampled tokens and Forward requests <-> the typed messages of station.proto (tensors:
+mesh.core.wire_tensor).
 
 Everything that arrives from the wire is checked here before a station touches it:
-a dtype name from a fixed list, a shape whose byte size equals the payload exactly,
-rows that match the entries and are finite (no NaN / inf), token ids inside the vocabulary, sampling values the
-dataclasses accept. Any failure is a `WireError` whose message starts with the field
+rows that match the entries and are finite (no NaN / inf; their dtype, shape and byte size by wire_tensor),
+token ids inside the vocabulary, sampling values the dataclasses accept. Any failure is a `WireError` whose message starts with the field
 (`hidden.shape[1]: ...`, `entries[3].sample.top_p: ...`), so the server can answer
 INVALID_ARGUMENT and keep serving. Tensor payloads are raw little-endian,
 C-contiguous bytes; nothing here deserializes Python objects.
@@ -19,126 +19,12 @@ import torch
 from mesh.core.config import MAX_DECODE_STEPS
 from mesh.core.params import ParamError, SamplingParams
 from mesh.core.proto import station_pb2 as pb
-from mesh.core.torch_dtypes import WIRE_DTYPES
 from mesh.core.wave import SampledToken, WaveEntry
+from mesh.core.wire_tensor import WireError, all_finite, dtype_itemsize, proto_to_tensor, tensor_to_proto
 
-DTYPES = WIRE_DTYPES  # name -> torch dtype of every tensor the wire carries
-_DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
-MAX_NDIM = 8  # no tensor on this wire has more dims; bounds the work a bad shape can cause
-_INT64_MAX = 2**63 - 1
 _INT32_MAX = 2**31 - 1
 _UINT32_MAX = 2**32 - 1
 _F32_TINY = float(np.finfo(np.float32).tiny)  # least positive normal float32
-
-
-class WireError(ValueError):
-    """A message on the wire is malformed; the text starts with the offending field."""
-
-
-def dtype_itemsize(name: str) -> int:
-    """Bytes per element of a wire dtype name (WireError if the name is unknown)."""
-    if name not in DTYPES:
-        raise WireError(f"dtype: {name!r} is not a wire dtype; expected one of {sorted(DTYPES)}")
-    return DTYPES[name].itemsize
-
-
-def tensor_to_proto(t: torch.Tensor, into: pb.Tensor | None = None) -> pb.Tensor:
-    """Encode a tensor as raw little-endian, C-contiguous bytes with its dtype name and shape; `into`: fill that
-    message (a field of the message being built: no copy of the bytes into it afterwards)."""
-    into = tensor_header(t, into)
-    into.data = tensor_bytes(t).tobytes()
-    return into
-
-
-def tensor_header(t: torch.Tensor, into: pb.Tensor | None = None) -> pb.Tensor:
-    """The dtype name and shape of `t` in a Tensor message (`into`, or a new one), its data left empty: for a
-    carriage that sends the bytes beside the message (station.relay_link)."""
-    name = _DTYPE_NAMES.get(t.dtype)
-    if name is None:
-        raise WireError(f"tensor.dtype: {t.dtype} is not a wire dtype; expected one of {sorted(DTYPES)}")
-    if into is None:
-        return pb.Tensor(dtype=name, shape=list(t.shape))
-    into.dtype = name
-    into.shape[:] = list(t.shape)
-    return into
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The wire bytes of `t` (raw little-endian, C-contiguous) as a view of its memory where it is already so
-    (no copy); keep `t` alive while the view is read."""
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the same 2 bytes as int16
-        flat = flat.view(torch.int16)
-    arr = flat.numpy()
-    return memoryview(arr.astype(arr.dtype.newbyteorder("<"), copy=False)).cast("B")
-
-
-def proto_to_tensor(
-    msg: pb.Tensor,
-    *,
-    expect_dtype: str | None = None,
-    expect_shape: tuple[int | None, ...] | None = None,
-    max_bytes: int | None = None,
-    field: str = "tensor",
-    data: bytearray | None = None,
-) -> torch.Tensor:
-    """Decode and validate a Tensor message into a writable CPU tensor that owns its memory.
-
-    `expect_shape` dims of None match any size; `field` prefixes every error message. `data`: the tensor's bytes
-    where they came beside the message (its own `data` then empty), a buffer the tensor takes over without a copy.
-    """
-    if msg.dtype not in DTYPES:
-        raise WireError(f"{field}.dtype: {msg.dtype!r} is not a wire dtype; expected one of {sorted(DTYPES)}")
-    if expect_dtype is not None and msg.dtype != expect_dtype:
-        raise WireError(f"{field}.dtype: expected {expect_dtype}, got {msg.dtype}")
-    shape = tuple(int(d) for d in msg.shape)
-    if len(shape) > MAX_NDIM:
-        raise WireError(f"{field}.shape: {len(shape)} dims, at most {MAX_NDIM} allowed")
-    for i, d in enumerate(shape):
-        if d < 0:
-            raise WireError(f"{field}.shape[{i}]: must be >= 0, got {d}")
-    if math.prod(max(d, 1) for d in shape) > _INT64_MAX:
-        raise WireError(f"{field}.shape: {list(shape)} has more elements than int64 can count")
-    if expect_shape is not None:
-        if len(shape) != len(expect_shape):
-            raise WireError(f"{field}.shape: expected {len(expect_shape)} dims, got {list(shape)}")
-        for i, (got, want) in enumerate(zip(shape, expect_shape)):
-            if want is not None and got != want:
-                raise WireError(f"{field}.shape[{i}]: expected {want}, got {got}")
-    itemsize = DTYPES[msg.dtype].itemsize
-    nbytes = math.prod(shape) * itemsize
-    if data is not None and msg.data:
-        raise WireError(f"{field}.data: the bytes came both in the message and beside it")
-    private = data is not None
-    data = msg.data if data is None else data  # each read of a bytes field is a new copy: read it once
-    if max_bytes is not None and max(nbytes, len(data)) > max_bytes:
-        raise WireError(f"{field}: {max(nbytes, len(data))} bytes exceeds the limit of {max_bytes}")
-    if nbytes != len(data):
-        raise WireError(f"{field}.data: {len(data)} bytes, but shape {list(shape)} of {msg.dtype} needs {nbytes}")
-    dtype = DTYPES[msg.dtype]
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    # A private bytearray (a copy of the message's bytes): the tensor is writable and nothing else holds its memory.
-    # Wire bytes are little-endian, as is every host torch runs on (x86-64, arm64).
-    return torch.frombuffer(data if private else bytearray(data), dtype=dtype).reshape(shape)
-
-
-_EXPONENT_BITS = {  # float dtype -> (the integer dtype of its width, numpy's unsigned one, its exponent bits)
-    torch.float64: (torch.int64, np.uint64, 0x7FF0000000000000), torch.float32: (torch.int32, np.uint32, 0x7F800000),
-    torch.bfloat16: (torch.int16, np.uint16, 0x7F80), torch.float16: (torch.int16, np.uint16, 0x7C00)}
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """True when no element of the CPU tensor `t` is NaN or infinite (an integer tensor always is finite).
-
-    An IEEE float is NaN or infinite exactly when all its exponent bits are set, so this masks the bits with
-    numpy: one thread, ~0.1 ms for a 1 MiB wave. torch.isfinite took 2-3 ms on one thread, and tens of ms when
-    its OpenMP team met a busy core, on every hop of every wave."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return True
-    signed, unsigned, mask = _EXPONENT_BITS[t.dtype]
-    bits = t.contiguous().view(signed).numpy().view(unsigned)
-    return int((bits & unsigned(mask)).max()) != mask
 
 
 def _from_f32(v: float) -> float:

@@ -12,8 +12,8 @@ import torch
 
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.wave import WaveEntry, wave_rows
-from mesh.core.wire import WireError, all_finite, dtype_itemsize, entries_to_proto, proto_to_entries, \
-    proto_to_tensor, tensor_to_proto
+from mesh.core.wire import entries_to_proto, proto_to_entries
+from mesh.core.wire_tensor import WireError, all_finite, dtype_itemsize, proto_to_tensor, tensor_to_proto
 
 MAX_COPY_BYTES = 32 << 20  # K and V of one copy call at most (the orchestrator cuts larger copies; servers accept it)
 MAX_COPY_ROWS = 4096  # positions of one copy call at most (within a station server's default max_rows)
