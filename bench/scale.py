@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--relay", choices=("link", "grpc"), default="link",
                    help="how the direct path's hops travel: relay links (station/relay_link.py) or gRPC calls")
     p.add_argument("--rounds", type=int, default=1,
-                   help="SIMULATED sweeps, alternated; each point against its own round's P=1, the median kept")
+                   help="SIMULATED sweeps, one after another; each point against its own round's P=1, the median kept")
     p.add_argument("--skip-sim", action="store_true")
     p.add_argument("--skip-real", action="store_true")
     p.add_argument("--quick", action="store_true", help="a smoke run: small shapes, the tiny model")

@@ -1,6 +1,6 @@
 """The gRPC servicer of one station (thin): decode a request, run the step, encode the reply.
 
-All validation lives in `mesh.core.wire` (message shape, dtypes, limits) and in
+All validation lives in `mesh.core.wire` and `mesh.core.wire_tensor` (message shape, dtypes, limits) and in
 `Station.forward` (positions, KV); this file only maps their errors to status codes:
 
     WireError, StepError -> INVALID_ARGUMENT     KVBudgetError -> RESOURCE_EXHAUSTED
