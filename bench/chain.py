@@ -38,7 +38,7 @@ import torch
 
 from mesh.control.cli import resolve_model
 from mesh.core.hostinfo import cpu_seconds_by_role, describe_machine
-from mesh.control.cluster_yaml import MeshConfig, ModelSource
+from mesh.control.mesh_config import MeshConfig, ModelSource
 from mesh.control.layer_plan import plan_layers, split_weights
 from mesh.core.config import SUPPORTED_DTYPES, ModelConfig, SchedulerConfig, StationSpec
 from mesh.core.params import SamplingParams

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mesh.control.cluster_yaml import (ClusterConfig, MeshConfig, ModelSource, RayConfig, default_mesh_config, load_mesh_config,
-                          mesh_config_from_dict, parse_size)
+from mesh.control.cluster_yaml import load_mesh_config, mesh_config_from_dict, parse_size
+from mesh.control.mesh_config import ClusterConfig, MeshConfig, ModelSource, RayConfig, default_mesh_config
 from mesh.control.layer_plan import layer_weights, plan_layers, split_weights, station_bytes, step_weights
 from mesh.core.config import ApiConfig, ConfigError, ModelConfig, SchedulerConfig, StationSpec
 from mesh.core.model.synthetic import preset_config

@@ -12,7 +12,7 @@ from pathlib import Path
 SCRIPT = textwrap.dedent("""
     import json, ray
     from mesh.control.cluster import connect_ray
-    from mesh.control.cluster_yaml import RayConfig
+    from mesh.control.mesh_config import RayConfig
     owned = connect_ray(RayConfig(), num_cpus=2)
     try:
         ctx = ray.get_runtime_context()

@@ -14,7 +14,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from mesh.control.cluster_yaml import ClusterConfig, MeshConfig, ModelSource, mesh_config_from_dict
+from mesh.control.cluster_yaml import mesh_config_from_dict
+from mesh.control.mesh_config import ClusterConfig, MeshConfig, ModelSource
 from mesh.core.config import ApiConfig, StationSpec
 from mesh.control.targets import claim_targets, clean_stale_targets, release_targets
 from mesh.control.up import down, file_sd_targets, state_file, write_targets

@@ -119,7 +119,7 @@ ray = pytest.importorskip("ray")
 
 
 def _cluster(model_dir, tokenizer=None, ranges=((0, 2), (2, 6)), hidden_path="direct", **cluster_kw):
-    from mesh.control.cluster_yaml import ClusterConfig, MeshConfig, ModelSource
+    from mesh.control.mesh_config import ClusterConfig, MeshConfig, ModelSource
     from mesh.control.cluster import Cluster
 
     cfg = MeshConfig(model=ModelSource(path=str(model_dir)),

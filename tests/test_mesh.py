@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.control.cluster_yaml import MeshConfig, ModelSource
+from mesh.control.mesh_config import MeshConfig, ModelSource
 from mesh.core.config import SchedulerConfig, StationSpec
 from mesh.control.cluster import Cluster
 from mesh.core.params import SamplingParams

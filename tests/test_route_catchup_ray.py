@@ -29,7 +29,7 @@ def _jobs(n=16, prompt=300, max_tokens=400):
 
 def _cluster(model_dir, catchup_wave_tokens=16, max_wave_tokens=64, catchup_slowdown=1.75, catchup_kv="copy"):
     from mesh.control.cluster import Cluster
-    from mesh.control.cluster_yaml import ClusterConfig, MeshConfig, ModelSource
+    from mesh.control.mesh_config import ClusterConfig, MeshConfig, ModelSource
 
     cfg = MeshConfig(model=ModelSource(path=str(model_dir)), stations=(StationSpec(layers=(0, 6)),),
                      scheduler=SchedulerConfig(max_seqs=16, max_wave_tokens=max_wave_tokens,

@@ -12,7 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mesh.control.cluster_yaml import ClusterConfig, load_mesh_config
+from mesh.control.cluster_yaml import load_mesh_config
+from mesh.control.mesh_config import ClusterConfig
 from mesh.core.transport import StationTls, host_port
 from mesh.core.config import ConfigError, StationSpec
 from mesh.core.params import SamplingParams

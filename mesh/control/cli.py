@@ -122,7 +122,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _load_config(path: str | None):
     """The cluster YAML (or the embedded default); where WAVEMESH_CACHE is set, a default `model.packed_cache` moves
     under it with the rest of the cache."""
-    from mesh.control.cluster_yaml import DEFAULT_PACKED_CACHE, default_mesh_config, load_mesh_config
+    from mesh.control.cluster_yaml import load_mesh_config
+    from mesh.control.mesh_config import DEFAULT_PACKED_CACHE, default_mesh_config
 
     config = load_mesh_config(path) if path else default_mesh_config()
     if "WAVEMESH_CACHE" in os.environ and config.model.packed_cache == DEFAULT_PACKED_CACHE:

@@ -21,7 +21,7 @@ from typing import Callable
 
 import ray
 
-from mesh.control.cluster_yaml import MeshConfig, RayConfig
+from mesh.control.mesh_config import MeshConfig, RayConfig
 from mesh.control.layer_plan import plan_layers, split_weights
 from mesh.core.config import ConfigError, ModelConfig, StationSpec
 from orchestrator.engine import Engine

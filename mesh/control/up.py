@@ -26,7 +26,7 @@ from pathlib import Path
 from fastapi import Request
 
 from mesh.control.cluster import Cluster
-from mesh.control.cluster_yaml import MeshConfig
+from mesh.control.mesh_config import MeshConfig
 from mesh.control.targets import claim_targets, clean_stale_targets, release_targets
 from mesh.core.config import ConfigError, is_int
 from mesh.core.transport import host_port
