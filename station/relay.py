@@ -35,7 +35,7 @@ import grpc
 import torch
 
 from mesh.core.proto import station_pb2 as pb
-from mesh.core.transport import StationTls, bearer_metadata
+from mesh.core.transport import StationTls, address_host, bearer_metadata
 from mesh.core.wave import StationOutput, WaveEntry, decode_step_entries, decode_steps_problem
 from mesh.core.wire import entries_to_proto, proto_to_samples
 from mesh.core.wire_tensor import WireError, tensor_bytes, tensor_header, tensor_to_proto
@@ -45,12 +45,6 @@ from station.link_frames import LinkError
 from station.relay_link import RelayLinkClient
 
 StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor], tuple[StationOutput, pb.KVUsage]]
-
-
-def link_host(address: str) -> str:
-    """The host of a `host:port` address (an IPv6 host without its brackets): where its relay link listens."""
-    host = address.rsplit(":", 1)[0]
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 class RelayError(RuntimeError):
@@ -120,7 +114,7 @@ class Successors:
         info = channel.unary_unary(INFO_METHOD, request_serializer=pb.InfoRequest.SerializeToString,
                                    response_deserializer=pb.InfoReply.FromString)
         port = info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata).relay_port
-        link = (RelayLinkClient(link_host(address), port, token=self._token, tls=self._tls,
+        link = (RelayLinkClient(address_host(address), port, token=self._token, tls=self._tls,
                                 max_message_bytes=self._max_message_bytes, wire=self._wire) if port else None)
         with self._lock:
             if address in self._links:  # another wave asked at the same time

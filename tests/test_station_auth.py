@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mesh.control.cluster_yaml import load_mesh_config
 from mesh.control.mesh_config import ClusterConfig
-from mesh.core.transport import StationTls, host_port
+from mesh.core.transport import StationTls, address_host, host_port
 from mesh.core.config import ConfigError, StationSpec
 from mesh.core.params import SamplingParams
 from mesh.core.proto import station_pb2_grpc
@@ -126,6 +126,7 @@ def test_unsendable_tokens_are_refused_early(station, bad):
                                            ("::1", "[::1]:7"), ("fe80::1%eth0", "[fe80::1%eth0]:7")])
 def test_host_port_brackets_ipv6(host, address):
     assert host_port(host, 7) == address
+    assert address_host(address) == host  # the inverse: where a station's relay link is dialled
 
 
 # ---- mutual TLS -----------------------------------------------------------------------------------

@@ -28,6 +28,12 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def address_host(address: str) -> str:
+    """The host of a `host:port` address, an IPv6 host without its brackets: host_port's inverse for the host."""
+    host = address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """The gRPC metadata a call carries for `token` (none without one); ValueError for a token that cannot travel."""
     return (("authorization", f"Bearer {check_token(token)}"),) if token is not None else ()
