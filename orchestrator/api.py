@@ -77,7 +77,7 @@ def create_app(engine, tokenizer, chat_template: str, model_name: str, config: A
     if config.api_key:
         app.add_middleware(_BearerAuth, api_key=config.api_key, open_paths=OPEN_PATHS)
     _install_error_handlers(app)
-    parser = RequestParser(tokenizer, chat_template, model_name, engine.model, config.max_n)
+    parser = RequestParser(tokenizer, chat_template, model_name, engine.model, config.max_n, engine.max_context)
     GenerationRoutes(engine, parser, ResponseFormatter(tokenizer, model_name), metrics).register(app)
     _add_model_routes(app, engine, model_name)
     app.state.health = HealthProbe(engine, health_timeout_s, config.health_cache_s)
@@ -92,7 +92,7 @@ def _add_model_routes(app: FastAPI, engine, model_name: str) -> None:
 
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": started, "owned_by": "wavemesh",
-                "max_model_len": engine.model.max_position_embeddings}
+                "max_model_len": engine.max_context()}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -137,6 +137,11 @@ class Engine(RouteSwitching):
         self._inbox.put(_WAKE)
         return True
 
+    def max_context(self) -> int:
+        """The most tokens (prompt + output) one sequence can reach on the current route: the model's context, or
+        fewer where the route's smallest KV pool holds fewer (it changes as `mesh scale` changes the route)."""
+        return self.scheduler.limits.sequence_tokens
+
     def stats(self) -> EngineStats:
         """A consistent snapshot of counters, rates and KV occupancy."""
         with self._lock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,11 +86,15 @@ def _opt_bool(body: dict, name: str) -> bool | None:
 
 
 class RequestParser:
-    """Validates request bodies against one model: its name, vocabulary, chat template and `max_n`."""
+    """Validates request bodies against one model: its name, vocabulary, chat template and `max_n`, and the
+    context the route serves now (`context()`: the engine's max_context, which a small KV pool can make shorter
+    than the model's; a chat without max_tokens may fill it, as in OpenAI's API)."""
 
-    def __init__(self, tokenizer, chat_template: str | None, model_name: str, model: ModelConfig, max_n: int) -> None:
+    def __init__(self, tokenizer, chat_template: str | None, model_name: str, model: ModelConfig, max_n: int,
+                 context: Callable[[], int] | None = None) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
         self.vocab_size, self.max_context, self.max_n = model.vocab_size, model.max_position_embeddings, max_n
+        self._context = context or (lambda: model.max_position_embeddings)
         self.token_bytes = longest_token_bytes(tokenizer)
         self.max_prompt_bytes = self.max_context * self.token_bytes  # more text than this is more tokens than the context
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -112,8 +117,8 @@ class RequestParser:
         elif isinstance(prompt, list):
             if not prompt:
                 raise bad("prompt", "is empty: at least one token is required")
-            if len(prompt) > self.max_context:
-                raise bad("prompt", f"{len(prompt)} tokens exceed the context of {self.max_context} tokens",
+            if len(prompt) > (context := self._context()):
+                raise bad("prompt", f"{len(prompt)} tokens exceed the context of {context} tokens",
                           "context_length_exceeded")
             if not all(is_int(t) for t in prompt):
                 raise bad("prompt", "must be a string or a list of token ids (batched prompts are not supported)")
@@ -152,7 +157,7 @@ class RequestParser:
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
             body = {**body, "max_tokens": body["max_completion_tokens"]}
         return self._finish(body, ids, chat=True, top_logprobs=(top or 0) if want else None,
-                            default_max=max(1, self.max_context - len(ids)))
+                            default_max=max(1, self._context() - len(ids)))
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of `text` (a `tokenizers.Tokenizer` or a transformers tokenizer)."""

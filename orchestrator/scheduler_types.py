@@ -37,6 +37,11 @@ class KVLimits:
         if not isinstance(self.prefill_chunk_invariant, bool):
             raise ValueError(f"KVLimits.prefill_chunk_invariant must be a bool, got {self.prefill_chunk_invariant!r}")
 
+    @property
+    def sequence_tokens(self) -> int:
+        """The most tokens one sequence can reach here: the context, or fewer where the KV pool holds fewer."""
+        return min(self.max_context, self.kv_blocks * self.block_tokens)
+
 
 @dataclass(frozen=True, slots=True)
 class WavePlan:

@@ -214,6 +214,31 @@ def test_queue_full_is_503_with_retry_after(tiny_llama, serve_http):
         eng.close()
 
 
+def test_a_kv_pool_shorter_than_the_context_bounds_the_default_max_tokens(tiny_llama, serve_http):
+    """A chat without max_tokens may fill the context (OpenAI's default), but no further than the route's KV pool
+    holds: 20 blocks of 16 tokens (320) here, against the model's 1,024. It is served, not refused."""
+    cfg = ModelConfig.from_dir(tiny_llama)
+    per_block = 16 * cfg.num_hidden_layers * cfg.kv_bytes_per_token_layer * 4  # float32
+    station = Station(tiny_llama, StationSpec(layers=(0, cfg.num_hidden_layers), kv_bytes=20 * per_block))
+    eng = Engine([LocalLink(station)], cfg, SchedulerConfig(), Tokenizer.from_file(str(tiny_llama / "tokenizer.json")))
+    try:
+        with serve_http(_app(eng, tiny_llama)) as base:
+            assert eng.max_context() == 320 < cfg.max_position_embeddings
+            assert httpx.get(base + "/v1/models", timeout=T).json()["data"][0]["max_model_len"] == 320
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "temperature": 0,
+                    "ignore_eos": True}
+            r = httpx.post(base + "/v1/chat/completions", json=body, timeout=T)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            assert usage["prompt_tokens"] + usage["completion_tokens"] == 320
+            long_ids = {"model": MODEL, "prompt": [5] * 321, "max_tokens": 1}
+            r = httpx.post(base + "/v1/completions", json=long_ids, timeout=T)
+            assert r.status_code == 400 and "321 tokens exceed the context of 320" in r.json()["error"]["message"]
+    finally:
+        eng.close()
+
+
 def _metrics(url) -> dict[tuple[str, tuple], float]:
     text = httpx.get(url + "/metrics", timeout=T).text
     assert "_created" not in text  # no creation-timestamp series beside the counters and histograms

@@ -68,8 +68,10 @@ def test_readme_snippet_answers_paris(server):
     url, _, _ = server
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
-    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=64,
-                                           messages=[{"role": "user", "content": QUESTION}])
+    card = client.models.retrieve("SmolLM2-135M-Instruct").model_dump()
+    assert 0 < card["max_model_len"] <= 8192  # what this route's KV holds of SmolLM2's context
+    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0,  # README's, as it is there:
+                                           messages=[{"role": "user", "content": QUESTION}])  # no max_tokens
     choice = reply.choices[0]
     assert "Paris" in choice.message.content, choice.message.content
     assert choice.finish_reason == "stop" and "<|im_end|>" not in choice.message.content

@@ -208,7 +208,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     for st in status.get("stations", []):
         used, total = st.get("kv_bytes_used", 0), st.get("kv_bytes_total", 0) or 1
-        print(f"station {st.get('index')}: layers {st['layers']}  {st.get('address')}  "
+        start, end = st["layers"]
+        print(f"station {st.get('index')}: layers [{start}, {end})  {st.get('address')}  "
               f"{'healthy' if st.get('healthy') else 'DOWN'}  kv {100 * used / total:.1f}%")
     eng = status.get("engine", {})
     print(f"running {eng.get('running')}  waiting {eng.get('waiting')}  waves in flight {eng.get('waves_in_flight')}")
