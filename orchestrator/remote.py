@@ -1,6 +1,7 @@
 """A station behind gRPC, as the pipeline and the control plane see it."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -11,8 +12,9 @@ from mesh.core.transport import StationTls
 from mesh.core.wave import StationOutput
 from mesh.core.wire import WireError
 from orchestrator.pipeline import LinkKV, StationDown
-from station.client import RelayReply, StationCallError, StationClient
+from station.client import LinkClosed, RelayReply, StationCallError, StationClient
 
+log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 # a wave refused for what it is (a bug upstream), not for the station's state: replay would not help
 _WAVE_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
@@ -65,8 +67,13 @@ class RemoteLink:
             raise StationDown(f"station {self.address} sent a malformed reply: {e}") from e
 
     def release(self, seq_ids) -> None:
-        """Free KV on the remote station."""
-        self.client.release(list(seq_ids))
+        """Free KV on the remote station. Where this link was closed (a recovery replaced its station, or a re-plan
+        retired it) there is nothing to free: that process, and its KV, are gone."""
+        try:
+            self.client.release(list(seq_ids))
+        except LinkClosed:
+            log.debug("station %s: release after its link was closed (replaced or retired): nothing to free",
+                      self.address)
 
     def kv(self) -> LinkKV:
         """KV geometry (fixed at start) and the occupancy the station reported with its last Forward or

@@ -52,6 +52,10 @@ class StationCallError(RuntimeError):
         self.details = details
 
 
+class LinkClosed(StationCallError):
+    """A call on a client this process had closed (its station retired or replaced): nothing was sent."""
+
+
 def station_channel(address: str, max_message_bytes: int, tls: StationTls | None) -> grpc.Channel:
     """A channel to a station: plain, or mutual TLS with this side's certificate (checked against `tls.server_name`)."""
     options = [("grpc.max_receive_message_length", max_message_bytes),
@@ -98,7 +102,7 @@ class StationClient:
         except grpc.RpcError as err:
             raise StationCallError(method, err.code(), err.details() or "") from None
         except ValueError as err:  # grpc's "Cannot invoke RPC on closed channel!": this link was closed
-            raise StationCallError(method, grpc.StatusCode.CANCELLED, str(err)) from None
+            raise LinkClosed(method, grpc.StatusCode.CANCELLED, str(err)) from None
 
     def forward(self, wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequence[int] | torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, steps: int = 1) -> StationOutput:

@@ -15,7 +15,7 @@ from mesh.core.proto import station_pb2_grpc
 from mesh.core.wave import WaveEntry
 from mesh.core.wire import encode_forward
 from mesh.core.wire_tensor import WireError, tensor_to_proto
-from station.client import StationCallError, StationClient
+from station.client import LinkClosed, StationCallError, StationClient
 from station.generate import generate_one
 from station.server import ServerLimits, start_server
 from station.step import Station
@@ -231,7 +231,27 @@ def test_health_is_serving_and_goes_down_on_stop(tiny_llama):
     assert not client.health()
     with pytest.raises(StationCallError) as info:
         client.info()
-    assert info.value.code == grpc.StatusCode.CANCELLED
+    assert info.value.code == grpc.StatusCode.CANCELLED and isinstance(info.value, LinkClosed)
+
+
+def test_a_release_on_a_closed_link_frees_nothing_and_raises_nothing(tiny_llama):
+    """A recovery closes the link of the station it replaced, and the route switch then releases the replayed
+    sequences through the old links: on the closed one there is nothing to free (that process and its KV are
+    gone), so it is neither an error nor a warning. Any other failed release still raises."""
+    from orchestrator.remote import RemoteLink
+
+    server = start_server(Station(tiny_llama, StationSpec(layers=(0, 6))))
+    link = RemoteLink(server.address, timeout_s=5)
+    try:
+        link.release((1, 2))  # nothing held: answered, 0 released
+        server.stop(grace=0)
+        with pytest.raises(StationCallError) as info:  # a station that is gone, on a link still open
+            link.release((1,))
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        link.close()
+        link.release((1,))
+    finally:
+        server.stop(grace=0)
 
 
 class GatedStation:
