@@ -19,6 +19,7 @@ import logging
 from mesh.core.config import SchedulerConfig
 from mesh.core.params import SamplingParams
 from mesh.core.wave import SampledToken
+from orchestrator.scheduler_counts import SchedulerCounts, admission_refusal
 from orchestrator.scheduler_types import (REFUSAL_REASONS, AdmissionError, CommitResult, KVLimits, SchedulerStats,
                                TokenEvent, WavePlan)
 from orchestrator.kv_ledger import KVBlockLedger
@@ -46,14 +47,8 @@ class Scheduler:
         self._pending_releases: list[int] = []
         self._next_wave_id = 0
         self._arrivals = 0
-        self._preemptions = 0
-        self._prefill_tokens = self._decode_tokens = self._waves = 0
-        self._last_rows = self._last_entries = self._sum_entries = self._max_entries = 0
-        self._sum_occupancy = self._max_occupancy = 0.0
-        self._refusals = dict.fromkeys(REFUSAL_REASONS, 0)
-        self._finished: dict[str, int] = {}
+        self._counts = SchedulerCounts()
         self._probes: set[int] = set()  # live probe sequences: outside the admission bound, each with a lane of its own
-        self._prefix_queries = self._prefix_hits = 0  # prompt tokens looked up in the prefix cache, and found
 
     def _new_ledger(self, limits: KVLimits) -> KVBlockLedger:
         """A ledger of every block free; its prefix cache on when asked for and exact on these stations."""
@@ -78,27 +73,11 @@ class Scheduler:
         if seq_id in self._seqs:
             raise ValueError(f"seq_id {seq_id} is already live")
         prompt = tuple(prompt_ids)
-        if not prompt:
-            self._refuse("invalid", 400, "prompt is empty: at least one token is required", "prompt")
-        if not all(isinstance(t, int) and t >= 0 for t in prompt):
-            self._refuse("invalid", 400, "prompt token ids must be non-negative integers", "prompt")
-        total, ctx = len(prompt) + params.max_tokens, self.limits.max_context
-        if total > ctx:
-            self._refuse("never_fits", 400,
-                         f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
-                         f"exceeds the context of {ctx} tokens",
-                         "prompt" if len(prompt) >= ctx else "max_tokens")
-        need = self._ledger.blocks_for(total)
-        if need > self.limits.kv_blocks:
-            self._refuse("never_fits", 400,
-                         f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens need "
-                         f"{need} KV blocks of {self.limits.block_tokens} tokens; the stations hold "
-                         f"{self.limits.kv_blocks} blocks", "max_tokens")
-        live, bound = self.live() - len(self._probes), self.config.max_seqs + self.config.max_queue
-        if not probe and live >= bound:
-            self._refuse("queue_full", 503,
-                         f"waiting queue is full ({live} sequences live, the bound is max_seqs {self.config.max_seqs} "
-                         f"+ max_queue {self.config.max_queue}); retry later", None)
+        refusal = admission_refusal(prompt, params, self.limits, self.live() - len(self._probes),
+                                    self.config.max_seqs, self.config.max_queue, probe)
+        if refusal is not None:
+            self._counts.refusals[refusal.reason] += 1
+            raise refusal
         seq = Sequence(seq_id, Request(request_id, prompt, params), arrival=self._arrivals)
         self._arrivals += 1
         self._seqs.add(seq)
@@ -107,10 +86,6 @@ class Scheduler:
             self._waiting.push_front(seq)
         else:
             self._waiting.push_back(seq)
-
-    def _refuse(self, reason: str, status: int, message: str, param: str | None) -> None:
-        self._refusals[reason] += 1
-        raise AdmissionError(reason, status, message, param)
 
     def plan(self, max_entries: int | None = None, max_steps: int = 1) -> WavePlan | None:
         """Build the next wave from sequences not in flight (None when nothing can be scheduled); a wave of
@@ -126,8 +101,8 @@ class Scheduler:
         wave.add_chunks(ready)
         if not wave.preempted:  # no admission while KV is short
             wave.add_admissions(self._waiting, lanes)
-        self._prefix_queries += wave.prefix_queries
-        self._prefix_hits += wave.prefix_hits
+        self._counts.prefix_queries += wave.prefix_queries
+        self._counts.prefix_hits += wave.prefix_hits
         if not wave.entries:
             return None
         steps = wave.decode_steps(max_steps, self.limits.max_context, len(self._waiting), len(ready))
@@ -142,7 +117,7 @@ class Scheduler:
         """Drop `seq`'s KV and put it at the front of the waiting queue to be recomputed."""
         self._requeue(seq)
         seq.preemptions += 1
-        self._preemptions += 1
+        self._counts.preemptions += 1
 
     def _requeue(self, seq: Sequence) -> None:
         self._ledger.release(seq)
@@ -255,7 +230,8 @@ class Scheduler:
             for _, seq in going:
                 if seq.status is not SequenceStatus.FINISHED:
                     self._ledger.name_blocks(seq, self._ledger.names_filled(seq, seq.num_computed))
-        self._count_wave(plan, decode_rows=record[1] + later)
+        self._counts.count_wave(len(plan.token_ids), len(plan.entries), record[1] + later,
+                                self.config.max_wave_tokens)
         return CommitResult(tuple(events), tuple(finished), tuple(released))
 
     def _take(self, seq: Sequence, sample: SampledToken, events: list[TokenEvent], finished: list[int],
@@ -280,18 +256,6 @@ class Scheduler:
         if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.limits.max_context:
             return "length"
         return None
-
-    def _count_wave(self, plan: WavePlan, decode_rows: int) -> None:
-        rows, n_entries = len(plan.token_ids), len(plan.entries)
-        occupancy = rows / self.config.max_wave_tokens
-        self._waves += 1
-        self._decode_tokens += decode_rows
-        self._prefill_tokens += rows - decode_rows
-        self._last_rows, self._last_entries = rows, n_entries
-        self._sum_occupancy += occupancy
-        self._max_occupancy = max(self._max_occupancy, occupancy)
-        self._sum_entries += n_entries
-        self._max_entries = max(self._max_entries, n_entries)
 
     def abort_wave(self, plan: WavePlan) -> None:
         """A wave failed: its sequences leave flight with num_computed unchanged (replanned later).
@@ -337,7 +301,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._probes.discard(seq.seq_id)
-        self._finished[reason] = self._finished.get(reason, 0) + 1
+        self._counts.count_finish(reason)
 
     def _drop(self, seq: Sequence) -> None:
         """Free a finished sequence's KV blocks and forget it."""
@@ -350,7 +314,7 @@ class Scheduler:
 
     def token_counts(self) -> tuple[int, int]:
         """Committed (prefill, decode) rows so far (cheap: the engine's rates read it every wave)."""
-        return self._prefill_tokens, self._decode_tokens
+        return self._counts.prefill_tokens, self._counts.decode_tokens
 
     def has_work(self) -> bool:
         """True while any sequence waits or runs, or a wave is in flight."""
@@ -358,15 +322,16 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         """A snapshot of the counters and gauges."""
-        waves = self._waves or 1
+        c = self._counts
+        waves = c.waves or 1
         return SchedulerStats(
             running=len(self._seqs.running), waiting=len(self._waiting), in_flight_waves=len(self._in_flight),
             kv_blocks_used=self._ledger.used, kv_blocks_total=self._ledger.total,
-            preemptions=self._preemptions, prefill_tokens=self._prefill_tokens,
-            decode_tokens=self._decode_tokens, waves=self._waves, last_wave_tokens=self._last_rows,
-            mean_wave_occupancy=self._sum_occupancy / waves, max_wave_occupancy=self._max_occupancy,
-            refusals=dict(self._refusals), finished=dict(self._finished),
-            last_wave_entries=self._last_entries, mean_wave_entries=self._sum_entries / waves,
-            max_wave_entries=self._max_entries, prefix_cache=self._ledger.prefix_cache,
-            prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
+            preemptions=c.preemptions, prefill_tokens=c.prefill_tokens,
+            decode_tokens=c.decode_tokens, waves=c.waves, last_wave_tokens=c.last_rows,
+            mean_wave_occupancy=c.sum_occupancy / waves, max_wave_occupancy=c.max_occupancy,
+            refusals=dict(c.refusals), finished=dict(c.finished),
+            last_wave_entries=c.last_entries, mean_wave_entries=c.sum_entries / waves,
+            max_wave_entries=c.max_entries, prefix_cache=self._ledger.prefix_cache,
+            prefix_cache_queries=c.prefix_queries, prefix_cache_hits=c.prefix_hits,
             kv_blocks_cached=self._ledger.cached)
