@@ -212,6 +212,28 @@ def test_count_split_and_sections_left_out(tmp_path):
     assert [s.layers for s in cfg.resolve(9)] == [(0, 3), (3, 6), (6, 9)]  # a bare layer count splits evenly
 
 
+def test_num_cpus_auto_shares_this_machines_cores_among_a_count(tmp_path):
+    """`num_cpus: auto` (the default): on a local Ray the CPU stations of a count split the machine's cores evenly,
+    at least one each; on a Ray cluster, on a GPU, or for explicit stations, 1; a number is every station's."""
+    cfg = load_mesh_config(_write(tmp_path, GOOD + "stations: {count: 2}\n"))
+    assert cfg.num_cpus == "auto" and cfg.auto_cpus()
+    assert [s.num_cpus for s in cfg.resolve(6, local_cores=8)] == [4.0, 4.0]
+    assert [s.num_cpus for s in cfg.resolve(6, local_cores=3)] == [1.0, 1.0]
+    assert [s.num_cpus for s in cfg.resolve(6)] == [1.0, 1.0]  # no local machine to share (local_cores None)
+    assert cfg.station_cpus(3, local_cores=2) == 1.0 and cfg.station_cpus(1, local_cores=2) == 2.0
+    far = load_mesh_config(_write(tmp_path, GOOD + "ray: {address: 'ray://head:10001'}\nstations: {count: 2}\n"))
+    assert [s.num_cpus for s in far.resolve(6, local_cores=8)] == [1.0, 1.0]
+    gpu = load_mesh_config(_write(tmp_path, GOOD + "device: cuda\nstations: {count: 2}\n"))
+    assert [s.num_cpus for s in gpu.resolve(6, local_cores=8)] == [1.0, 1.0]
+    fixed = load_mesh_config(_write(tmp_path, GOOD + "num_cpus: 3\nstations: [{layers: [0, 2]}, {layers: [2, 6], "
+                                                     "num_cpus: 1}]\n"))
+    assert [s.num_cpus for s in fixed.resolve(6, local_cores=8)] == [3.0, 1.0] and not fixed.auto_cpus()
+    listed = load_mesh_config(_write(tmp_path, GOOD + "stations: [{layers: [0, 2]}, {layers: [2, 6]}]\n"))
+    assert [s.num_cpus for s in listed.resolve(6, local_cores=8)] == [1.0, 1.0] and not listed.auto_cpus()
+    for bad in ("fast", 0, -1, "[2]"):
+        _refused(tmp_path, GOOD + f"num_cpus: {bad}\n", "num_cpus: expected a number > 0 or auto")
+
+
 def test_packed_cache_reaches_every_station_and_null_turns_it_off(tmp_path):
     specs = load_mesh_config(_write(tmp_path, "model: {preset: tiny}\nstations: {count: 2}\n")).resolve(6)
     assert [s.packed_cache for s in specs] == ["~/.cache/wavemesh/packed"] * 2  # the default: each node's home

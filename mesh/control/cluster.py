@@ -84,7 +84,9 @@ class Cluster:
         self.model_dir = Path(model_dir)
         self.model = ModelConfig.from_dir(self.model_dir)
         self.progress = progress
-        self.specs: tuple[StationSpec, ...] = config.resolve(self.model)
+        # this machine's cores, where the stations run on it (a local Ray): `num_cpus: auto` shares them out
+        self._local_cores = (os.cpu_count() or 1) if config.ray.address is None else None
+        self.specs: tuple[StationSpec, ...] = config.resolve(self.model, self._local_cores)
         self.engine = None
         self._actors: dict[StationSpec, object] = {}
         self._links: dict[StationSpec, object] = {}
@@ -133,6 +135,8 @@ class Cluster:
         weights = split_weights(self.model, self.config.dtype, self.config.balance)
         ranges = plan_layers(self.model.num_hidden_layers, count, weights)
         base = self.specs[0]
+        if self.config.auto_cpus():  # this machine's cores shared out again over the new count
+            base = replace(base, num_cpus=self.config.station_cpus(count, self._local_cores))
         return self.reroute(tuple(replace(base, layers=r) for r in ranges))
 
     def add_station(self, layers: tuple[int, int] | None = None, num_gpus: float | None = None) -> tuple[StationSpec, ...]:
@@ -153,7 +157,11 @@ class Cluster:
                 if lo < hi:
                     new.append(replace(s, layers=(lo, hi)))
         added = replace(specs[0], layers=(a, b), num_gpus=specs[0].num_gpus if num_gpus is None else num_gpus)
-        return self.reroute(tuple(sorted(new + [added], key=lambda s: s.start)))
+        plan = sorted(new + [added], key=lambda s: s.start)
+        if self.config.auto_cpus():  # this machine's cores shared out again (a station whose share changes restarts)
+            cpus = self.config.station_cpus(len(plan), self._local_cores)
+            plan = [replace(s, num_cpus=cpus) for s in plan]
+        return self.reroute(tuple(plan))
 
     def _fresh_copies(self, specs: tuple[StationSpec, ...]) -> tuple[StationSpec, ...]:
         """A plan that keeps some of the serving stations (add-station leaves the others as they are) would share

@@ -61,7 +61,7 @@ _SCHEMA = {  # section: {key: kind}
     "station": {"layers": "layers", "device": "str", "dtype": "str", "kv_bytes": "size",
                 "num_gpus": "nonneg_num", "num_cpus": "nonneg_num", "linear_backend": "str", "resources": "resources"},
 }
-_TOP = ("ray", "model", "dtype", "device", "kv_bytes", "stations", "scheduler", "api", "cluster")
+_TOP = ("ray", "model", "dtype", "device", "kv_bytes", "num_cpus", "stations", "scheduler", "api", "cluster")
 
 
 def _type(v: object) -> str:
@@ -195,6 +195,8 @@ def mesh_config_from_dict(d: object, source: str = "<dict>", base_dir: str | Pat
         raw = _mapping(d, "", _TOP)
         kw = _fields({k: raw[k] for k in ("dtype", "device", "kv_bytes") if k in raw}, "",
                      {"dtype": "str", "device": "str", "kv_bytes": "size"})
+        if "num_cpus" in raw:  # a number, or auto (MeshConfig checks which)
+            kw["num_cpus"] = raw["num_cpus"]
         model = _model(raw, Path(base_dir) if base_dir else None)
         top = _build(MeshConfig, kw | {"model": model, "station_count": 1}, "")
         cfg = replace(top, ray=_section(raw, "ray", RayConfig), scheduler=_section(raw, "scheduler", SchedulerConfig),

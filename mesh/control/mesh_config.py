@@ -169,6 +169,9 @@ class MeshConfig:
     dtype: str = "float32"  # default dtype of every station
     device: str = "cpu"  # default device of every station
     kv_bytes: int = DEFAULT_KV_BYTES  # default KV budget of every station
+    # default CPU cores of every station (StationSpec.num_cpus): a number, or "auto": on a local Ray the CPU stations
+    # of a `count` plan share this machine's cores evenly (at least one each; `mesh scale` re-shares them), else 1
+    num_cpus: float | str = "auto"
     stations: tuple[StationSpec, ...] | None = None  # explicit layer ranges (in YAML order) ...
     station_count: int | None = None  # ... or this many stations planned from the model
     balance: str = "memory"  # a count's split evens: memory (bytes held) or compute (bytes read per decode step)
@@ -182,6 +185,8 @@ class MeshConfig:
         _require(isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
                  f"device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
         _require(is_int(self.kv_bytes) and self.kv_bytes > 0, f"kv_bytes: must be > 0, got {self.kv_bytes!r}")
+        _require(self.num_cpus == "auto" or (is_num(self.num_cpus) and self.num_cpus > 0),
+                 f"num_cpus: expected a number > 0 or auto, got {self.num_cpus!r}")
         _require(self.balance in BALANCES, f"stations.balance: expected one of {', '.join(BALANCES)}, "
                  f"got {self.balance!r}")
         _require((self.stations is None) != (self.station_count is None),
@@ -198,17 +203,32 @@ class MeshConfig:
             _require(sb.start >= sa.end, f"stations: stations[{a}] layers {list(sa.layers)} and stations[{b}] "
                      f"layers {list(sb.layers)} overlap (layers {sb.start}..{min(sa.end, sb.end) - 1})")
 
-    def station_defaults(self) -> dict[str, Any]:
-        """The StationSpec fields every station inherits unless it says otherwise."""
+    def station_defaults(self, count: int = 1, local_cores: int | None = None) -> dict[str, Any]:
+        """The StationSpec fields every station of a plan of `count` inherits unless it says otherwise."""
         return {"device": self.device, "dtype": self.dtype, "kv_bytes": self.kv_bytes,
-                "num_gpus": 1.0 if self.device.startswith("cuda") else 0.0, "num_cpus": 1.0,
-                "packed_cache": self.model.packed_cache or ""}
+                "num_gpus": 1.0 if self.device.startswith("cuda") else 0.0,
+                "num_cpus": self.station_cpus(count, local_cores), "packed_cache": self.model.packed_cache or ""}
 
-    def resolve(self, model: ModelConfig | int) -> tuple[StationSpec, ...]:
+    def station_cpus(self, count: int, local_cores: int | None) -> float:
+        """num_cpus of each station of a `count` plan: the number given, or for "auto" this machine's
+        `local_cores` shared evenly (at least 1) where the stations run on it (a local Ray) on the CPU, else 1."""
+        if self.num_cpus != "auto":
+            return float(self.num_cpus)
+        if local_cores is None or self.ray.address is not None or self.device != "cpu":
+            return 1.0
+        return float(max(1, local_cores // count))
+
+    def auto_cpus(self) -> bool:
+        """True when a re-plan re-shares this machine's cores among its stations (`num_cpus: auto`, a count)."""
+        return self.num_cpus == "auto" and self.station_count is not None
+
+    def resolve(self, model: ModelConfig | int, local_cores: int | None = None) -> tuple[StationSpec, ...]:
         """The stations for a model of `model` layers (or this ModelConfig), sorted by start.
 
         Explicit ranges must chain exactly 0..L; a count is planned by plan_layers, balancing
-        split_weights(model, dtype, balance) when given a ModelConfig (evenly by layers when given an int).
+        split_weights(model, dtype, balance) when given a ModelConfig (evenly by layers when given an int), each
+        station with station_cpus(count, local_cores) cores (`local_cores`: this machine's, where a local Ray runs
+        the stations).
         """
         num_layers = model.num_hidden_layers if isinstance(model, ModelConfig) else model
         _require(is_int(num_layers) and num_layers >= 1,
@@ -216,7 +236,8 @@ class MeshConfig:
         if self.station_count is not None:
             weights = split_weights(model, self.dtype, self.balance) if isinstance(model, ModelConfig) else None
             ranges = plan_layers(num_layers, self.station_count, weights)
-            return tuple(StationSpec(layers=r, **self.station_defaults()) for r in ranges)
+            defaults = self.station_defaults(self.station_count, local_cores)
+            return tuple(StationSpec(layers=r, **defaults) for r in ranges)
         order = sorted(range(len(self.stations)), key=lambda i: self.stations[i].start)
         covered = 0
         for i in order:
