@@ -450,3 +450,25 @@ def test_compute_balance_evens_bytes_read_per_step(tmp_path):
     assert split_weights(cfg, "float32", "memory") == layer_weights(cfg)
     with pytest.raises(ConfigError, match="stations.balance: expected one of memory, compute, got 'speed'"):
         load_mesh_config(_write(tmp_path, "model: {preset: bench}\nstations: {count: 2, balance: speed}\n"))
+
+
+def test_scale_and_add_station_share_the_cores_out_again(tiny_llama, monkeypatch):
+    """Under `num_cpus: auto` a re-plan gives each station of the new count its share of this machine's cores (as
+    planned here on a 4-core machine, before any station starts); explicit stations keep their own."""
+    import os
+
+    from mesh.control.cluster import Cluster
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    cluster = Cluster(mesh_config_from_dict({"model": {"path": str(tiny_llama)}}), tiny_llama, progress=lambda _: None)
+    monkeypatch.setattr(cluster, "reroute", lambda specs: specs)  # the plan it would start, not started
+    assert [s.num_cpus for s in cluster.specs] == [4.0]
+    assert [s.num_cpus for s in cluster.scale(2)] == [2.0, 2.0]
+    assert [s.num_cpus for s in cluster.scale(3)] == [1.0, 1.0, 1.0]
+    cluster.specs = cluster.scale(1)
+    assert [(s.layers, s.num_cpus) for s in cluster.add_station()] == [((0, 3), 2.0), ((3, 6), 2.0)]
+    listed = Cluster(mesh_config_from_dict({"model": {"path": str(tiny_llama)},
+                                            "stations": [{"layers": [0, 6], "num_cpus": 3}]}),
+                     tiny_llama, progress=lambda _: None)
+    monkeypatch.setattr(listed, "reroute", lambda specs: specs)
+    assert [s.num_cpus for s in listed.scale(2)] == [3.0, 3.0]
