@@ -236,9 +236,12 @@ static inline __attribute__((always_inline)) void attend_one(
 #if defined(__AVX512VL__)
 #define GROUP_KEYS 8 /* keys scored at once for a group of heads: 3 x 8 sums fit the 32 vector registers */
 #define GROUP_CHUNKS 4 /* 8-float chunks of a value row weighted at once: 3 heads x 2 sums x 4 in registers */
+#define GROUP_PROMPT_HEADS 1 /* prompt rows take their heads together (attend_group) */
 #else
 #define GROUP_KEYS 4 /* 16 vector registers: 3 x 4 sums */
 #define GROUP_CHUNKS 2
+#define GROUP_PROMPT_HEADS 0 /* with 16 registers the grouped pass gained nothing (0.92-1.05x, an AVX2 build of the
+                              * Zen 5 VM): every row reads per head, as before */
 #endif
 #define MAX_GROUP 3 /* query heads of one KV head attended together: each key and value row is loaded once for them */
 
@@ -388,9 +391,10 @@ void paged_attention_f32(const float *q, const float *k, const float *v, int64_t
          * attend to more keys, and in contiguous shares the thread holding the last rows did ~3x the first one's
          * work). A row of a prompt chunk (its sequence has other rows in the wave, whose keys are the same and stay
          * in cache from row to row) takes its heads together through attend_group, one pass over the keys and
-         * values for all of them: 1.2-1.4x faster at 512 rows of 0-4096 keys. A decode row (one per sequence: its
-         * keys come from memory) takes them one by one, each attend_one reading what the first left in cache:
-         * there the grouped pass was 0.55-0.85x at 48-64 rows of ~300-700 keys. Either way a head's bits are the
+         * values for all of them: 1.2-1.4x faster at 512 rows of 0-4096 keys (where the build has 32 vector
+         * registers: GROUP_PROMPT_HEADS). A decode row (one per sequence: its keys come from memory) takes them one
+         * by one, each attend_one reading what the first left in cache: there the grouped pass was 0.55-0.85x at
+         * 48-64 rows of ~300-700 keys, and 0.8-1.0x at 16-32 rows of 600-4000. Either way a head's bits are the
          * same, whatever its path, task or thread. */
         const int64_t tasks = T * KVH;
 #pragma omp for schedule(static, 1)
@@ -400,7 +404,8 @@ void paged_attention_f32(const float *q, const float *k, const float *v, int64_t
             const int64_t *tab = tables + row_table[t];
             const float *qt = q + t * ldq;
             float *ot = out + t * H * D;
-            int chunk = (t > 0 && row_table[t - 1] == row_table[t]) || (t + 1 < T && row_table[t + 1] == row_table[t]);
+            int chunk = GROUP_PROMPT_HEADS && ((t > 0 && row_table[t - 1] == row_table[t])
+                                               || (t + 1 < T && row_table[t + 1] == row_table[t]));
             if (chunk && D == 64)
                 attend_heads(qt, tab, kc, vc, BT, block_stride, g, first, p, 64, scale, g * G, (g + 1) * G, max_keys,
                              score, ot);
