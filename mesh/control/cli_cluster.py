@@ -61,8 +61,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     for st in status.get("stations", []):
         used, total = st.get("kv_bytes_used", 0), st.get("kv_bytes_total", 0) or 1
         start, end = st["layers"]
+        cores = f"{st['torch_threads']} thread(s){' pinned' if st.get('cpu_pinned') else ''}" \
+            if "torch_threads" in st else ""
         print(f"station {st.get('index')}: layers [{start}, {end})  {st.get('address')}  "
-              f"{'healthy' if st.get('healthy') else 'DOWN'}  kv {100 * used / total:.1f}%")
+              f"{'healthy' if st.get('healthy') else 'DOWN'}  kv {100 * used / total:.1f}%  {cores}".rstrip())
     eng = status.get("engine", {})
     print(f"running {eng.get('running')}  waiting {eng.get('waiting')}  waves in flight {eng.get('waves_in_flight')}")
     if cu := eng.get("route_catchup"):

@@ -294,7 +294,8 @@ class Cluster:
         started = time.monotonic()
         handles = {}
         for spec in specs:
-            self.progress(f"station [{spec.start}, {spec.end}) on {spec.device}/{spec.dtype}: loading")
+            self.progress(f"station [{spec.start}, {spec.end}) on {spec.device}/{spec.dtype}, {spec.num_cpus:g} "
+                          f"core(s): loading")
             handles[spec] = self._create(spec)
         ready: dict[StationSpec, tuple[object, RemoteLink]] = {}
         try:
