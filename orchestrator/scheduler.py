@@ -73,8 +73,8 @@ class Scheduler:
         if seq_id in self._seqs:
             raise ValueError(f"seq_id {seq_id} is already live")
         prompt = tuple(prompt_ids)
-        refusal = admission_refusal(prompt, params, self.limits, self.live() - len(self._probes),
-                                    self.config.max_seqs, self.config.max_queue, probe)
+        refusal = admission_refusal(prompt, params, self.limits, self._ledger.blocks_for,
+                                    self.live() - len(self._probes), self.config.max_seqs, self.config.max_queue, probe)
         if refusal is not None:
             self._counts.refusals[refusal.reason] += 1
             raise refusal

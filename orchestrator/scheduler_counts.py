@@ -5,16 +5,19 @@ Pure Python, no torch, like the scheduler itself.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mesh.core.params import SamplingParams
 from orchestrator.scheduler_types import REFUSAL_REASONS, AdmissionError, KVLimits
 
 
-def admission_refusal(prompt: tuple[int, ...], params: SamplingParams, limits: KVLimits, live: int, max_seqs: int,
-                      max_queue: int, probe: bool) -> AdmissionError | None:
-    """Why a request cannot be queued (400 invalid / never fits, 503 queue full), or None when it can: `live`
-    sequences hold places of max_seqs + max_queue (a `probe` takes none)."""
+def admission_refusal(prompt: tuple[int, ...], params: SamplingParams, limits: KVLimits,
+                      blocks_for: Callable[[int], int], live: int, max_seqs: int, max_queue: int,
+                      probe: bool) -> AdmissionError | None:
+    """Why a request cannot be queued (400 invalid / never fits, 503 queue full), or None when it can:
+    `blocks_for(tokens)` the KV blocks they take (the ledger's), `live` sequences hold places of
+    max_seqs + max_queue (a `probe` takes none)."""
     if not prompt:
         return AdmissionError("invalid", 400, "prompt is empty: at least one token is required", "prompt")
     if not all(isinstance(t, int) and t >= 0 for t in prompt):
@@ -25,7 +28,7 @@ def admission_refusal(prompt: tuple[int, ...], params: SamplingParams, limits: K
                               f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                               f"exceeds the context of {ctx} tokens",
                               "prompt" if len(prompt) >= ctx else "max_tokens")
-    need = -(-total // limits.block_tokens)
+    need = blocks_for(total)
     if need > limits.kv_blocks:
         return AdmissionError("never_fits", 400,
                               f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "

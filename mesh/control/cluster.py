@@ -134,10 +134,7 @@ class Cluster:
             raise ConfigError(f"stations: expected 1..{self.model.num_hidden_layers}, got {count!r}")
         weights = split_weights(self.model, self.config.dtype, self.config.balance)
         ranges = plan_layers(self.model.num_hidden_layers, count, weights)
-        base = self.specs[0]
-        if self.config.auto_cpus():  # this machine's cores shared out again over the new count
-            base = replace(base, num_cpus=self.config.station_cpus(count, self._local_cores))
-        return self.reroute(tuple(replace(base, layers=r) for r in ranges))
+        return self.reroute(self._share_cores([replace(self.specs[0], layers=r) for r in ranges]))
 
     def add_station(self, layers: tuple[int, int] | None = None, num_gpus: float | None = None) -> tuple[StationSpec, ...]:
         """Add one station: on `layers` (the others shrink around it), or splitting the largest station."""
@@ -157,11 +154,15 @@ class Cluster:
                 if lo < hi:
                     new.append(replace(s, layers=(lo, hi)))
         added = replace(specs[0], layers=(a, b), num_gpus=specs[0].num_gpus if num_gpus is None else num_gpus)
-        plan = sorted(new + [added], key=lambda s: s.start)
-        if self.config.auto_cpus():  # this machine's cores shared out again (a station whose share changes restarts)
-            cpus = self.config.station_cpus(len(plan), self._local_cores)
-            plan = [replace(s, num_cpus=cpus) for s in plan]
-        return self.reroute(tuple(plan))
+        return self.reroute(self._share_cores(sorted(new + [added], key=lambda s: s.start)))
+
+    def _share_cores(self, plan: list[StationSpec]) -> tuple[StationSpec, ...]:
+        """The plan, under `num_cpus: auto` with this machine's cores shared out again over its stations (a kept
+        station whose share changes is restarted), else as it is."""
+        if not self.config.auto_cpus():
+            return tuple(plan)
+        cpus = self.config.station_cpus(len(plan), self._local_cores)
+        return tuple(replace(s, num_cpus=cpus) for s in plan)
 
     def _fresh_copies(self, specs: tuple[StationSpec, ...]) -> tuple[StationSpec, ...]:
         """A plan that keeps some of the serving stations (add-station leaves the others as they are) would share
