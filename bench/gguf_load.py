@@ -24,7 +24,7 @@ gguf_cached_over_safetensors_fresh), the GGUF station load where an earlier stat
 packed weights in the packed cache (mesh.core.model.packed_cache; a temporary one here), which it maps instead of
 packing them. gguf_fresh_s is the load without a cache, as a station's first load of those layers on a node is.
 Ratios are of the unrounded medians (seconds print to 0.1 ms); `..._by_round` gives the lowest and highest of the
-rounds' own ratios (each round's GGUF load over the safetensors load run just before it).
+rounds' own ratios (each round's GGUF load over the safetensors load of the same round).
 
 `--repack-shape ROWSxK` instead times the Q4_1 repack alone on one random weight of that shape, pushed out of the
 caches before each of 5 runs (a large model's weights are read from memory once): GB/s of GGUF blocks, the best run.

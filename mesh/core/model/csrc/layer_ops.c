@@ -234,15 +234,12 @@ static inline __attribute__((always_inline)) void attend_one(
 }
 
 #if defined(__AVX512VL__)
-#define GROUP_KEYS 8 /* keys scored at once for a group of heads: 3 x 8 sums fit the 32 vector registers */
+/* Prompt rows take their heads together (attend_group), which needs 32 vector registers: with 16 (an AVX2 build
+ * of the Zen 5 VM, 4 keys and 2 chunks at a time) the grouped pass was 0.82-1.10x, so there every row reads per
+ * head. */
+#define GROUP_PROMPT_HEADS 1
+#define GROUP_KEYS 8 /* keys scored at once for a group of heads: 3 x 8 sums in registers */
 #define GROUP_CHUNKS 4 /* 8-float chunks of a value row weighted at once: 3 heads x 2 sums x 4 in registers */
-#define GROUP_PROMPT_HEADS 1 /* prompt rows take their heads together (attend_group) */
-#else
-#define GROUP_KEYS 4 /* 16 vector registers: 3 x 4 sums */
-#define GROUP_CHUNKS 2
-#define GROUP_PROMPT_HEADS 0 /* with 16 registers the grouped pass gained nothing (0.92-1.05x, an AVX2 build of the
-                              * Zen 5 VM): every row reads per head, as before */
-#endif
 #define MAX_GROUP 3 /* query heads of one KV head attended together: each key and value row is loaded once for them */
 
 /* Several query heads (NQ <= MAX_GROUP, of one row and one KV head) against the same keys: each head's scores,
@@ -269,13 +266,8 @@ static inline __attribute__((always_inline)) void attend_group(
                     for (int q = 0; q < NQ; q++) a[q][k] = _mm256_fmadd_ps(qv[q], kv, a[q][k]);
                 }
             }
-            for (int q = 0; q < NQ; q++) {
-                if (GROUP_KEYS == 8) {
-                    _mm256_storeu_ps(scores[q] + at + j, _mm256_mul_ps(hsum8x8(a[q]), vscale));
-                } else {
-                    for (int k = 0; k < GROUP_KEYS; k++) scores[q][at + j + k] = hsum8(a[q][k]) * scale;
-                }
-            }
+            for (int q = 0; q < NQ; q++)
+                _mm256_storeu_ps(scores[q] + at + j, _mm256_mul_ps(hsum8x8(a[q]), vscale));
         }
         for (; j < n; j++)
             for (int q = 0; q < NQ; q++) {
@@ -366,6 +358,11 @@ static inline __attribute__((always_inline)) void attend_heads(
     }
 }
 
+#else
+#define GROUP_PROMPT_HEADS 0
+#define MAX_GROUP 1
+#endif
+
 /* Store every row's k/v [T, KVH, D] in the paged cache [blocks, KVH, BT, D] at its position, then attend each
  * row's query heads q [T, H, D] to its sequence's keys at positions [max(0, pos - window + 1), pos] (window 0:
  * all). tables: every sequence's block table, concatenated; row_table[t]: where row t's table starts;
@@ -391,10 +388,10 @@ void paged_attention_f32(const float *q, const float *k, const float *v, int64_t
          * attend to more keys, and in contiguous shares the thread holding the last rows did ~3x the first one's
          * work). A row of a prompt chunk (its sequence has other rows in the wave, whose keys are the same and stay
          * in cache from row to row) takes its heads together through attend_group, one pass over the keys and
-         * values for all of them: 1.2-1.4x faster at 512 rows of 0-4096 keys (where the build has 32 vector
-         * registers: GROUP_PROMPT_HEADS). A decode row (one per sequence: its keys come from memory) takes them one
-         * by one, each attend_one reading what the first left in cache: there the grouped pass was 0.55-0.85x at
-         * 48-64 rows of ~300-700 keys, and 0.8-1.0x at 16-32 rows of 600-4000. Either way a head's bits are the
+         * values for all of them: 1.2-1.4x faster at 512 rows of 1536-4096 keys, 1.0-1.3x at 0-512 (where the build
+         * has 32 vector registers: GROUP_PROMPT_HEADS). A decode row (one per sequence: its keys come from memory)
+         * takes them one by one, each attend_one reading what the first left in cache: there the grouped pass was
+         * 0.55-0.85x at 48-64 rows of ~300-700 keys, and 0.69-1.05x at 16-32 rows of 600-4000. Either way a head's bits are the
          * same, whatever its path, task or thread. */
         const int64_t tasks = T * KVH;
 #pragma omp for schedule(static, 1)
@@ -404,8 +401,8 @@ void paged_attention_f32(const float *q, const float *k, const float *v, int64_t
             const int64_t *tab = tables + row_table[t];
             const float *qt = q + t * ldq;
             float *ot = out + t * H * D;
-            int chunk = GROUP_PROMPT_HEADS && ((t > 0 && row_table[t - 1] == row_table[t])
-                                               || (t + 1 < T && row_table[t + 1] == row_table[t]));
+#if GROUP_PROMPT_HEADS
+            int chunk = (t > 0 && row_table[t - 1] == row_table[t]) || (t + 1 < T && row_table[t + 1] == row_table[t]);
             if (chunk && D == 64)
                 attend_heads(qt, tab, kc, vc, BT, block_stride, g, first, p, 64, scale, g * G, (g + 1) * G, max_keys,
                              score, ot);
@@ -413,6 +410,7 @@ void paged_attention_f32(const float *q, const float *k, const float *v, int64_t
                 attend_heads(qt, tab, kc, vc, BT, block_stride, g, first, p, 128, scale, g * G, (g + 1) * G,
                              max_keys, score, ot);
             else
+#endif
                 for (int64_t h = g * G; h < (g + 1) * G; h++) {
                     if (D == 64)
                         attend_one(qt + h * D, kc, vc, tab, BT, block_stride, g, first, p, 64, scale, score, ot + h * D);
