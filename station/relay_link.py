@@ -31,14 +31,14 @@ from google.protobuf.message import DecodeError
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.transport import StationTls, check_token
 from station.interceptors import WireBytes
-from station.link_frames import (CODES, ERROR, HANDSHAKE_TIMEOUT_S, HELLO, REPLY, REQUEST, LinkError, frame,
-                                 read_frame, send_frame, tls_context)
+from station.link_frames import (CODES, ERROR, HANDSHAKE_TIMEOUT_S, HELLO, REPLY, REQUEST, LinkError, RowsBuffer,
+                                 frame, read_frame, send_frame, tls_context)
 
 log = logging.getLogger(__name__)
 
 # what the station answers a request with: its reply, or a status code and message
 # (the request, the seconds left of its deadline, the bytes of its hidden rows where they came beside it)
-Answer = Callable[[pb.ForwardRequest, Callable[[], float | None], bytearray | None],
+Answer = Callable[[pb.ForwardRequest, Callable[[], float | None], bytearray | memoryview | None],
                   "pb.ForwardReply | tuple[grpc.StatusCode, str]"]
 
 
@@ -103,10 +103,11 @@ class RelayLinkServer:
                     self._open.add(conn)
             if not self._hello(conn):
                 return
+            rows_buffer = RowsBuffer()  # one request at a time on a connection: its rows are done with by the next
             while not self._stopped:
                 conn.settimeout(None)
                 try:
-                    got = read_frame(conn, self._max_body)
+                    got = read_frame(conn, self._max_body, rows_into=rows_buffer)
                 except LinkError as err:
                     self._refuse(conn, err.code, str(err))
                     return
@@ -146,7 +147,7 @@ class RelayLinkServer:
         conn.sendall(frame(REPLY))
         return True
 
-    def _reply(self, conn: socket.socket, body: bytearray, rows: bytearray | None, seconds: float) -> None:
+    def _reply(self, conn: socket.socket, body: bytearray, rows: bytearray | memoryview | None, seconds: float) -> None:
         """Answer one REQUEST (its body, the hidden rows' bytes where they came beside it) on `conn`."""
         self._wire.add("in", len(body) + (len(rows) if rows is not None else 0))
         with self._lock:

@@ -139,7 +139,8 @@ class StationServicer(station_pb2_grpc.StationServicer):
         return reply
 
     def forward_answer(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None],
-                       hidden_data: bytearray | None = None) -> pb.ForwardReply | tuple[grpc.StatusCode, str]:
+                       hidden_data: bytearray | memoryview | None = None
+                       ) -> pb.ForwardReply | tuple[grpc.StatusCode, str]:
         """Forward for a relay link (station.relay_link): the reply, or the status code and message of its failure."""
         started = time.perf_counter()
         try:
@@ -150,7 +151,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
         return reply
 
     def forward(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None],
-                hidden_data: bytearray | None = None) -> pb.ForwardReply:
+                hidden_data: bytearray | memoryview | None = None) -> pb.ForwardReply:
         """The step (and relay) of one Forward request; `time_remaining()`: seconds left of the caller's deadline
         (None: no deadline); `hidden_data`: the hidden rows' bytes where they came beside the request. Raises what
         `failure_status` maps."""

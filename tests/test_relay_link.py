@@ -20,7 +20,8 @@ from mesh.core.wave import WaveEntry
 from mesh.core.wire import entries_to_proto
 from mesh.core.wire_tensor import tensor_to_proto
 from station.interceptors import WireBytes
-from station.link_frames import ERROR, HEADER, HELLO, MAGIC, REPLY, REQUEST, VERSION, LinkError
+from station.link_frames import (ERROR, HEADER, HELLO, MAGIC, REPLY, REQUEST, VERSION, LinkError, RowsBuffer, read_frame,
+                                 send_frame)
 from station.relay_link import RelayLinkClient
 from station.server import start_server
 from station.step import Station
@@ -232,3 +233,25 @@ def test_header_layout_is_fixed():
     """The frame header is 24 bytes, little-endian: what a station of another build must read the same way."""
     assert HEADER.size == 24
     assert HEADER.pack(MAGIC, VERSION, REQUEST, 0, 5, 7, 1.5) == b"WMRL\x01\x02\x00\x00" + struct.pack("<IId", 5, 7, 1.5)
+
+
+def test_a_connection_reads_its_frames_rows_into_one_kept_buffer():
+    """Rows of successive frames land in the connection's one buffer (each read intact), and a frame over the kept
+    size gets a buffer of its own, leaving the kept one as it was."""
+    a, b = socket.socketpair()
+    rows_buffer = RowsBuffer(keep_bytes=1 << 16)
+    payloads = [random.Random(n).randbytes(size) for n, size in enumerate((50_000, 1_000, 40_000, 100_000))]
+    got = []
+    try:
+        for n, payload in enumerate(payloads):
+            send_frame(a, REQUEST, f"body {n}".encode(), rows=memoryview(payload))
+            kind, _, _, body, rows = read_frame(b, LIMIT, rows_into=rows_buffer)
+            assert (kind, bytes(body), bytes(rows)) == (REQUEST, f"body {n}".encode(), payload)
+            got.append(rows)
+    finally:
+        a.close()
+        b.close()
+    kept = got[0].obj
+    assert got[1].obj is kept and got[2].obj is kept  # the first three share the kept buffer
+    assert got[3].obj is not kept and len(got[3].obj) == 100_000  # over keep_bytes: a buffer of its own
+    assert bytes(kept[:40_000]) == payloads[2]  # the oversized frame did not touch the kept buffer

@@ -179,7 +179,7 @@ def encode_forward(wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequen
 
 def decode_forward(
     msg: pb.ForwardRequest, *, hidden_size: int, dtype: str, vocab_size: int, max_entries: int, max_rows: int,
-    hidden_data: bytearray | None = None,
+    hidden_data: bytearray | memoryview | None = None,
 ) -> tuple[int, tuple[WaveEntry, ...], torch.Tensor | None, torch.Tensor | None]:
     """Validate a ForwardRequest against a station's shape and limits.
 

@@ -70,12 +70,13 @@ def proto_to_tensor(
     expect_shape: tuple[int | None, ...] | None = None,
     max_bytes: int | None = None,
     field: str = "tensor",
-    data: bytearray | None = None,
+    data: bytearray | memoryview | None = None,
 ) -> torch.Tensor:
     """Decode and validate a Tensor message into a writable CPU tensor that owns its memory.
 
     `expect_shape` dims of None match any size; `field` prefixes every error message. `data`: the tensor's bytes
-    where they came beside the message (its own `data` then empty), a buffer the tensor takes over without a copy.
+    where they came beside the message (its own `data` then empty), a writable buffer the tensor reads in place (no
+    copy; it must stay unchanged while the tensor is in use).
     """
     if msg.dtype not in DTYPES:
         raise WireError(f"{field}.dtype: {msg.dtype!r} is not a wire dtype; expected one of {sorted(DTYPES)}")
@@ -108,7 +109,7 @@ def proto_to_tensor(
     dtype = DTYPES[msg.dtype]
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    # A private bytearray (a copy of the message's bytes): the tensor is writable and nothing else holds its memory.
+    # A private buffer (the caller's, or a copy of the message's bytes): the tensor is writable, in place.
     # Wire bytes are little-endian, as is every host torch runs on (x86-64, arm64).
     return torch.frombuffer(data if private else bytearray(data), dtype=dtype).reshape(shape)
 
