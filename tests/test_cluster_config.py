@@ -472,3 +472,20 @@ def test_scale_and_add_station_share_the_cores_out_again(tiny_llama, monkeypatch
                      tiny_llama, progress=lambda _: None)
     monkeypatch.setattr(listed, "reroute", lambda specs: specs)
     assert [s.num_cpus for s in listed.scale(2)] == [3.0, 3.0]
+
+
+def test_model_flag_takes_a_path_or_a_preset_name(tmp_path, monkeypatch):
+    """`--model` of `mesh generate` and the benchmarks: a file or checkpoint directory as given, else a preset's name
+    is its built-in model, and any other name stays a path (whatever reads it names the missing file)."""
+    from mesh.control.cli import resolve_model
+
+    monkeypatch.setenv("WAVEMESH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    built = resolve_model("tiny")
+    assert built == resolve_model(None, "tiny") and (built / "config.json").is_file()
+    assert ModelConfig.from_dir(built).num_hidden_layers == preset_config("tiny").num_hidden_layers
+    assert resolve_model("no/such/checkpoint") == Path("no/such/checkpoint")
+    (tmp_path / "tiny").mkdir()  # a directory of that name here, but no checkpoint: still the preset
+    assert resolve_model("tiny") == built
+    (tmp_path / "tiny" / "config.json").write_text("{}")  # a checkpoint directory of that name: the path wins
+    assert resolve_model("tiny") == Path("tiny")

@@ -24,16 +24,20 @@ def _cache_dir() -> Path:
 
 
 def resolve_model(path: str | None, preset: str = "tiny") -> Path:
-    """A checkpoint directory or GGUF file: the one given, or the built-in model of that preset."""
-    if path:
+    """A checkpoint directory or GGUF file: the one given, or the built-in model of that preset; a `path` that names
+    no file or checkpoint directory but a preset (`--model bench`, `--model smollm2-135m-instruct`) is that preset's
+    built-in model."""
+    if path and (Path(path).is_file() or (Path(path) / "config.json").is_file()):
         return Path(path)
+    from mesh.core.compute import on_compute_thread
     from mesh.core.model.gguf_convert import SMOLLM2, builtin_chat_model
+    from mesh.core.model.synthetic import PRESETS, builtin_model
 
+    if path and path not in PRESETS and path != SMOLLM2:
+        return Path(path)  # what reads it names the missing file
+    preset = path or preset
     if preset == SMOLLM2:
         return builtin_chat_model(_cache_dir())
-    from mesh.core.compute import on_compute_thread
-    from mesh.core.model.synthetic import builtin_model
-
     return on_compute_thread(builtin_model, _cache_dir(), preset)  # torch work stays on one thread (mesh.core.compute)
 
 
