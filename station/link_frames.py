@@ -115,8 +115,8 @@ def read_frame(sock: socket.socket, max_body: int, deadline: float | None = None
 
 class RowsBuffer:
     """One connection's buffer for the hidden rows of its frames, reused from frame to frame: a decode wave's MiB of
-    rows then costs one copy out of the socket, not a fresh allocation whose pages fault in first (0.6 ms of a
-    relaying station's CPU per hop on these machines). What is read into it is valid until the connection reads its
+    rows then costs one copy out of the socket, not a fresh allocation whose pages fault in first (about 0.35 ms of
+    a relaying SIMULATED station's CPU per step in the chain, bench/out/session26_ab.txt part 1). What is read into it is valid until the connection reads its
     next frame. Frames over `keep_bytes` (long prompt chunks, rare) get a buffer of their own, so that an idle
     connection never holds more than that."""
 

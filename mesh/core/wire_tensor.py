@@ -72,7 +72,8 @@ def proto_to_tensor(
     field: str = "tensor",
     data: bytearray | memoryview | None = None,
 ) -> torch.Tensor:
-    """Decode and validate a Tensor message into a writable CPU tensor that owns its memory.
+    """Decode and validate a Tensor message into a writable CPU tensor: over a copy of the message's bytes, or over
+    `data` in place.
 
     `expect_shape` dims of None match any size; `field` prefixes every error message. `data`: the tensor's bytes
     where they came beside the message (its own `data` then empty), a writable buffer the tensor reads in place (no
