@@ -1,19 +1,36 @@
 #!/usr/bin/env bash
-# The prepared accelerator check, for a session lent a device machine (one `run`, ~5 minutes):
-#   run(command="bash bench/device_check.sh", timeout_s=540)
-# It needs only what that machine's image holds (torch, transformers, safetensors, tokenizers, grpcio,
-# pyyaml, jinja2, prometheus-client); Ray and FastAPI are not used. Outputs land in $OUT.
-# DEVICE=cpu STEP_ARGS=--quick runs the same steps here (to check the script itself).
+# The prepared accelerator check, for a session lent a device machine (one `run`, ~6-8 minutes):
+#   run(command="python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+#                PYTHONPATH=/tmp/site bash bench/device_check.sh", carry=[".whl"], timeout_s=560)
+# It needs what that machine's image holds (torch, transformers, safetensors, tokenizers, pyyaml, jinja2,
+# prometheus-client, numpy) plus four small wheels carried in .whl (protobuf and grpcio at least the
+# versions our generated code names, grpcio-health-checking, gguf); Ray and FastAPI are not used.
+# Parts, most wanted first, each under its own timeout; outputs land in $OUT (at most 8 files):
+#   1. parity.txt    float32 and bfloat16 greedy tokens of a station against transformers on the device
+#   2. step_*.txt    `mesh bench step` on the bench preset, bfloat16 then (part 5) float32, ours vs HF
+#   3. sim.txt       `mesh bench scale`'s SIMULATED sweep on that machine's 16 host cores (no GPU used)
+#   4. real.txt      `mesh bench scale`'s real part with every station on the GPU (bfloat16), hub vs direct
+# DEVICE=cpu QUICK=1 runs the same parts here, small (to check the script itself).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WAVEMESH_CACHE=/tmp/wavemesh-cache
 device=${DEVICE:-cuda}
 out=${OUT:-/tmp/wavemesh-device-out}
 py=${PYTHON:-python3}
+if [ -n "${QUICK:-}" ]; then  # small shapes, to check the script itself
+  step_args=(--quick); sim_args=(--quick); real_args=(--quick --real-stations 1,2)
+else
+  step_args=(--batches 1,16,64 --repeats 3); sim_args=(--stations 1,2,4,8 --paths direct --rounds 3)
+  real_args=(--real-stations 1,2,3 --real-k 16,64)
+fi
 mkdir -p "$out"
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+{
+  date -u; nproc; grep -m1 "model name" /proc/cpuinfo
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  $py -c "import sys, torch, transformers, grpc, google.protobuf as pb; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'protobuf', pb.__version__)"
+} 2>&1 | tee "$out/gpu.txt"
 
-# 1. exactness on the device: float32 logits of a station vs transformers (same checkpoint), greedy tokens
-$py - "$device" <<'PY' 2>&1 | tee "$out/parity.txt"
+# 1. exactness on the device: a station's greedy tokens vs transformers' generate (same checkpoint)
+timeout 150 $py - "$device" <<'PY' 2>&1 | grep -v "Loading weights" | tee "$out/parity.txt"
 import sys, torch
 from transformers import AutoModelForCausalLM
 from mesh.control.cli import resolve_model
@@ -24,21 +41,36 @@ from station.step import Station
 dev = sys.argv[1]
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
-model = resolve_model(None, "tiny")
-prompt = [1, 40, 41, 42, 300, 7, 9, 88, 120, 5, 6]
-for dtype in ("float32", "bfloat16"):
-    st = Station(model, StationSpec(layers=(0, 6), device=dev, dtype=dtype))
-    ours, _ = generate_one(st, prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(dev).eval()
-    ids = torch.tensor([prompt], device=dev)
-    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
-                      min_new_tokens=32)[0, len(prompt):].tolist()
-    same = sum(a == b for a, b in zip(ours, ref))
-    print(f"{dev} {dtype}: {same}/32 greedy tokens equal transformers' generate")
+for preset, layers in (("tiny", 6), ("bench", 12)):
+    model = resolve_model(None, preset)
+    prompt = [1, 40, 41, 42, 300, 7, 9, 88, 120, 5, 6]
+    for dtype in ("float32", "bfloat16"):
+        st = Station(model, StationSpec(layers=(0, layers), device=dev, dtype=dtype))
+        ours, _ = generate_one(st, prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(dev).eval()
+        ids = torch.tensor([prompt], device=dev)
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
+                          min_new_tokens=32)[0, len(prompt):].tolist()
+        same = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), 32)
+        print(f"{dev} {preset} {dtype}: the first {same} of 32 greedy tokens equal transformers' generate"
+              f"{'' if same == 32 else f' (ours {ours[same:same + 4]}, HF {ref[same:same + 4]})'}")
+        del st, hf
 PY
 
-# 2. the step benchmark on the bench preset, bf16 and float32, ours vs HF in one run each
-for dtype in bfloat16 float32; do
-  timeout 200 $py bench/step.py --device "$device" --dtype "$dtype" ${STEP_ARGS:---batches 1,16,64 --repeats 3} \
-    2>&1 | tee "$out/step_${device}_${dtype}.txt" | grep -v '^{'
-done
+step() {  # the step benchmark on the bench preset in one dtype, ours vs HF in one run
+  timeout "$2" $py bench/step.py --device "$device" --dtype "$1" "${step_args[@]}" \
+    2>&1 | grep -v "Loading weights" | tee "$out/step_${device}_$1.txt" | grep -v '^{'
+}
+# 2. bfloat16 first: the dtype a GPU station serves in
+step bfloat16 150
+
+# 3. SIMULATED GPU stations on this machine's host cores (the 2-core VMs starve P=8's nine processes)
+timeout 220 $py bench/scale.py --skip-real "${sim_args[@]}" \
+  2>&1 | grep -v "prefix cache off" | tee "$out/sim.txt" | grep -v '^{'
+
+# 4. real stations on the device, each its own process on the one GPU, hub vs direct
+timeout 150 $py bench/scale.py --skip-sim --real-device "$device" --real-dtype bfloat16 "${real_args[@]}" \
+  2>&1 | grep -v "prefix cache off" | tee "$out/real.txt" | grep -v '^{'
+
+# 5. float32
+step float32 120

@@ -1,7 +1,7 @@
 """`mesh bench scale`: does adding stations add throughput? Hub vs direct transfer (issue 13 items 2 and 4).
 
     mesh bench scale [--stations 1,2,4,8] [--paths hub,direct] [--wave-ms 64] [--k 64] [--hidden 8192]
-                     [--tokens 128] [--rounds 1] [--real-stations 2,3] [--real-k 16,32] [--skip-sim] [--skip-real]
+                     [--tokens 128] [--rounds 1] [--real-stations 2,3] [--real-k 16,32] [--real-device cpu] [--real-dtype float32] [--skip-sim] [--skip-real]
                      [--quick]
 
 SIMULATED part (bench/sim_station.py): P evenly split stations, each a real gRPC server in its own process
@@ -203,8 +203,11 @@ def real(args) -> list[dict]:
         threads = max(1, (os.cpu_count() or 1) // n)
         ranges = plan_layers(cfg.num_hidden_layers, n)
         procs, addresses = start_stations(ranges, ["--model", str(model_dir), "--threads", str(threads),
+                                                   "--device", args.real_device, "--dtype", args.real_dtype,
                                                    *relay_flags(args)])
         try:
+            warm = [[1] + [(7 * j) % (cfg.vocab_size - 3) + 3 for j in range(31)]] * 2
+            run_point(addresses, cfg, args.paths[-1], warm, 4, 2, args.decode_steps)  # untimed: first-call costs
             for k in args.real_k:
                 prompts = [[1] + [(97 * i + 13 * j) % (cfg.vocab_size - 3) + 3 for j in range(31)] for i in range(k)]
                 got = {path: run_point(addresses, cfg, path, prompts, args.tokens, k, args.decode_steps,
@@ -235,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="scheduler.decode_steps: decode steps per wave call once only decodes run")
     p.add_argument("--real-stations", type=ints, default=[2, 3])
     p.add_argument("--real-k", type=ints, default=[16, 32])
+    p.add_argument("--real-device", default="cpu", help="the real stations' device (cuda: every station on one GPU)")
+    p.add_argument("--real-dtype", default="float32", help="the real stations' dtype")
     p.add_argument("--relay", choices=("link", "grpc"), default="link",
                    help="how the direct path's hops travel: relay links (station/relay_link.py) or gRPC calls")
     p.add_argument("--rounds", type=int, default=1,
@@ -270,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"| {r['machine_cpu_pct']:.0f} | {r['limit']} ({r['limit_busy_pct']:.0f}) |")
     real_rows = [] if args.skip_real else real(args)
     if real_rows:
-        print("\nReal compute (`bench` preset), hub vs direct, prompt 32, greedy")
+        print(f"\nReal compute (`bench` preset, {args.real_dtype} on {args.real_device}), hub vs direct, prompt 32, greedy")
         print("| stations | K | path | ms/step | KiB through orchestrator/step | orchestrator CPU ms/step "
               "| hop p50 ms | wave calls | station CPU ms/step | tokens identical |")
         print("|---:|---:|---|---:|---:|---:|---:|---:|---|---|")

@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-layers", type=int, default=80)
     p.add_argument("--model", help="real compute: a checkpoint dir (the station loads it), not a simulation")
     p.add_argument("--threads", type=int, default=1, help="torch threads of a real station")
+    p.add_argument("--device", default="cpu", help="a real station's device (cpu, cuda, cuda:1, ...)")
+    p.add_argument("--dtype", default="float32", help="a real station's dtype (float32, bfloat16, float16)")
     p.add_argument("--no-relay-link", action="store_true", help="relays as gRPC Forward calls (for comparison)")
     args = p.parse_args(argv)
     from mesh.core.compute import on_compute_thread
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         from station.step import Station
 
         on_compute_thread(torch.set_num_threads, args.threads)
-        station = Station(args.model, StationSpec(layers=(a, b)))
+        station = Station(args.model, StationSpec(layers=(a, b), device=args.device, dtype=args.dtype))
     else:
         station = SimulatedStation(SimModel(num_layers=args.num_layers, hidden_size=args.hidden,
                                             wave_s=args.wave_ms / 1000), (a, b))
