@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# The prepared accelerator check, for a session lent a device machine (one `run`, ~6-8 minutes):
+# The prepared accelerator check, for a session lent a device machine (one `run`, ~6 minutes):
 #   run(command="python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
-#                PYTHONPATH=/tmp/site bash bench/device_check.sh", carry=[".whl"], timeout_s=560)
+#                PYTHONPATH=/tmp/site bash bench/device_check.sh", carry=[".whl"], timeout_s=600)
+# (.whl: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64`
+#  of protobuf, grpcio, grpcio-health-checking and gguf at this venv's versions, into an ignored .whl/)
 # It needs what that machine's image holds (torch, transformers, safetensors, tokenizers, pyyaml, jinja2,
 # prometheus-client, numpy) plus four small wheels carried in .whl (protobuf and grpcio at least the
 # versions our generated code names, grpcio-health-checking, gguf); Ray and FastAPI are not used.
-# Parts, most wanted first, each under its own timeout; outputs land in $OUT (at most 8 files):
-#   1. parity.txt    float32 and bfloat16 greedy tokens of a station against transformers on the device
-#   2. step_*.txt    `mesh bench step` on the bench preset, bfloat16 then (part 5) float32, ours vs HF
-#   3. sim.txt       `mesh bench scale`'s SIMULATED sweep on that machine's 16 host cores (no GPU used)
-#   4. real.txt      `mesh bench scale`'s real part with every station on the GPU (bfloat16), hub vs direct
+# Parts, each under its own timeout; outputs land in $OUT (at most 8 files):
+#   parity.txt       float32 and bfloat16 greedy tokens of a station against transformers on the device
+#   step_*.txt       `mesh bench step` on the bench preset (bf16, f32), ours vs HF
+#   sim.txt          `mesh bench scale`'s SIMULATED sweep, direct, on that machine's 16 host cores (no GPU used)
+#   real.txt         `mesh bench scale`'s real part with every station on the GPU (bfloat16), hub vs direct
+# PARTS chooses which run, in order (default "parity bf16 sim real f32"); three more:
+#   sim_hub.txt      (simhub) the SIMULATED sweep on the hub path, one round
+#   quota.txt        the core quota on real compute: 1 station on 1 core vs 2 on 1 core each, pinned, host CPU
+#   ops.txt          bench/wave_ops.py: torch calls, device kernels and wall time of one wave on the torch path
 # DEVICE=cpu QUICK=1 runs the same parts here, small (to check the script itself).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WAVEMESH_CACHE=/tmp/wavemesh-cache
@@ -17,10 +23,11 @@ device=${DEVICE:-cuda}
 out=${OUT:-/tmp/wavemesh-device-out}
 py=${PYTHON:-python3}
 if [ -n "${QUICK:-}" ]; then  # small shapes, to check the script itself
-  step_args=(--quick); sim_args=(--quick); real_args=(--quick --real-stations 1,2)
+  step_args=(--quick); sim_args=(--quick); real_args=(--quick --real-stations 1,2); quick_args=(--quick)
+  ops_args=(--model tiny --repeats 3)
 else
   step_args=(--batches 1,16,64 --repeats 3); sim_args=(--stations 1,2,4,8 --paths direct --rounds 3)
-  real_args=(--real-stations 1,2,3 --real-k 16,64)
+  real_args=(--real-stations 1,2,3 --real-k 16,64); quick_args=(); ops_args=()
 fi
 mkdir -p "$out"
 {
@@ -29,7 +36,7 @@ mkdir -p "$out"
   $py -c "import sys, torch, transformers, grpc, google.protobuf as pb; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'protobuf', pb.__version__)"
 } 2>&1 | tee "$out/gpu.txt"
 
-# 1. exactness on the device: a station's greedy tokens vs transformers' generate (same checkpoint)
+parity() {  # a station's greedy tokens vs transformers' generate (same checkpoint)
 timeout 150 $py - "$device" <<'PY' 2>&1 | grep -v "Loading weights" | tee "$out/parity.txt"
 import sys, torch
 from transformers import AutoModelForCausalLM
@@ -56,21 +63,44 @@ for preset, layers in (("tiny", 6), ("bench", 12)):
               f"{'' if same == 32 else f' (ours {ours[same:same + 4]}, HF {ref[same:same + 4]})'}")
         del st, hf
 PY
+}
 
 step() {  # the step benchmark on the bench preset in one dtype, ours vs HF in one run
   timeout "$2" $py bench/step.py --device "$device" --dtype "$1" "${step_args[@]}" \
     2>&1 | grep -v "Loading weights" | tee "$out/step_${device}_$1.txt" | grep -v '^{'
 }
-# 2. bfloat16 first: the dtype a GPU station serves in
-step bfloat16 150
-
-# 3. SIMULATED GPU stations on this machine's host cores (the 2-core VMs starve P=8's nine processes)
+sim() {  # SIMULATED GPU stations on this machine's host cores (the 2-core VMs starve P=8's nine processes)
 timeout 220 $py bench/scale.py --skip-real "${sim_args[@]}" \
   2>&1 | grep -v "prefix cache off" | tee "$out/sim.txt" | grep -v '^{'
+}
 
-# 4. real stations on the device, each its own process on the one GPU, hub vs direct
+simhub() {
+timeout 150 $py bench/scale.py --skip-real "${sim_args[@]}" --paths hub --rounds 1 \
+  2>&1 | grep -v "prefix cache off" | tee "$out/sim_hub.txt" | grep -v '^{'
+}
+
+real() {  # real stations on the device, each its own process on the one GPU, hub vs direct
 timeout 150 $py bench/scale.py --skip-sim --real-device "$device" --real-dtype bfloat16 "${real_args[@]}" \
   2>&1 | grep -v "prefix cache off" | tee "$out/real.txt" | grep -v '^{'
+}
 
-# 5. float32
-step float32 120
+quota() {  # core quota on real compute: 1 station on 1 core vs 2 stations on 1 core each (float32 on the CPU),
+  # 32 greedy requests, prompt 32, 64 tokens, compute-balanced split; pairs alternated; orchestrator unpinned
+  for order in 1,2 2,1 1,2; do
+    timeout 120 $py bench/scale.py --skip-sim --real-stations $order --real-k 32 --tokens 64 --real-threads 1 \
+      --real-balance compute --real-wave-tokens 512 --paths direct "${quick_args[@]}" 2>&1 | grep -v "prefix cache off"
+  done | tee "$out/quota.txt" | grep -v '^{'
+}
+
+ops() {  # torch calls and device kernels of one wave on the torch path, and its wall time
+  timeout 120 $py bench/wave_ops.py --device "$device" "${ops_args[@]}" 2>&1 | grep -v "USDT\|STAGE:" | tee "$out/ops.txt"
+}
+
+for part in ${PARTS:-parity bf16 sim real f32}; do
+  case $part in
+    bf16) step bfloat16 150 ;;  # the dtype a GPU station serves in
+    f32) step float32 120 ;;
+    parity|sim|simhub|real|quota|ops) $part ;;
+    *) echo "device_check: unknown part $part" ;;
+  esac
+done

@@ -1,8 +1,8 @@
 """`mesh bench scale`: does adding stations add throughput? Hub vs direct transfer (issue 13 items 2 and 4).
 
     mesh bench scale [--stations 1,2,4,8] [--paths hub,direct] [--wave-ms 64] [--k 64] [--hidden 8192]
-                     [--tokens 128] [--rounds 1] [--real-stations 2,3] [--real-k 16,32] [--real-device cpu] [--real-dtype float32] [--skip-sim] [--skip-real]
-                     [--quick]
+                     [--tokens 128] [--rounds 1] [--real-stations 2,3] [--real-k 16,32] [--real-device cpu] [--real-dtype float32]
+                     [--real-threads 0] [--real-balance layers] [--real-wave-tokens 0] [--skip-sim] [--skip-real] [--quick]
 
 SIMULATED part (bench/sim_station.py): P evenly split stations, each a real gRPC server in its own process
 with the cluster token, whose step is a sleep of f * T (T = --wave-ms for the whole model at K = --k rows,
@@ -23,17 +23,21 @@ step's samples into the next), so "wave calls" counts fewer. `--rounds N` runs t
 each, and keeps for each point the round with the median ratio to its own round's P=1 (every round's ratio is shown):
 on a machine whose speed drifts within minutes, a point is then not weighed against a P=1 run at another moment.
 
-Real part: the `bench` preset over 2 and 3 real station processes (torch threads = cores // N), K concurrent
-greedy requests (prompt 32, --tokens): wall time and bytes through the orchestrator per wave, hub vs direct,
-and whether the two paths gave the same tokens. Prints the command and the load; the last line is JSON.
+Real part: the `bench` preset over N = 2 and 3 real station processes (torch threads = cores // N; with
+--real-threads C each station has C threads and is pinned to C cores of its own, as a station actor with
+num_cpus = C: the core-quota comparison), K concurrent greedy requests (prompt 32, --tokens): tok/s, wall time
+and bytes through the orchestrator per wave, hub vs direct, and the tokens' digest (the same on both paths,
+and across N). Prints the command and the load; the last line is JSON.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,11 +107,12 @@ def stop_stations(procs: list[subprocess.Popen]) -> None:
 
 
 def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k: int, decode_steps: int = 4,
-              station_pids: tuple[int, ...] = ()) -> dict:
+              station_pids: tuple[int, ...] = (), wave_tokens: int = 0) -> dict:
     """K-per-wave requests through an engine over `addresses` on `path`; wall, CPU (this process's and the station
-    processes' `station_pids`), bytes, hops, token ids."""
+    processes' `station_pids`), bytes, hops, token ids. `wave_tokens` (0: max(K, 64 per station)) is
+    scheduler.max_wave_tokens."""
     links = [TimedLink(a, timeout_s=120, token=TOKEN) for a in addresses]
-    sched = SchedulerConfig(max_seqs=len(prompts), max_wave_tokens=max(len(prompts), 64 * len(addresses)),
+    sched = SchedulerConfig(max_seqs=len(prompts), max_wave_tokens=wave_tokens or max(len(prompts), 64 * len(addresses)),
                             max_queue=len(prompts), hidden_path=path, decode_steps=decode_steps)
     engine = Engine(links, model, sched)
     try:
@@ -192,34 +197,43 @@ def _simulated_round(args) -> list[dict]:
 
 
 def real(args) -> list[dict]:
-    """Hub vs direct on real compute (the `bench` preset), 2 and 3 stations, K concurrent requests."""
+    """Hub vs direct on real compute (the `bench` preset) over N = each of --real-stations stations, K concurrent
+    requests each of --real-k; with --real-threads every station is pinned to cores of its own."""
     from mesh.control.cli import resolve_model
-    from mesh.control.layer_plan import plan_layers
 
     model_dir = resolve_model(None, "tiny" if args.quick else "bench")
+    with tempfile.TemporaryDirectory(prefix="wavemesh-bench-cores-") as claims:
+        return [r for n in args.real_stations for r in _real_chain(args, model_dir, n, claims)]
+
+
+def _real_chain(args, model_dir, n: int, claims: str) -> list[dict]:
+    """Start n real station processes, run every K on every path, stop them; one row per (K, path)."""
+    from mesh.control.layer_plan import plan_layers, split_weights
+
     cfg = ModelConfig.from_dir(model_dir)
+    weights = None if args.real_balance == "layers" else split_weights(cfg, args.real_dtype, args.real_balance)
+    threads = args.real_threads or max(1, (os.cpu_count() or 1) // n)
+    pin = ["--cpus", str(threads), "--claim-dir", claims] if args.real_threads else []
+    procs, addresses = start_stations(plan_layers(cfg.num_hidden_layers, n, weights),
+                                      ["--model", str(model_dir), "--threads", str(threads), *pin, "--device",
+                                       args.real_device, "--dtype", args.real_dtype, *relay_flags(args)])
     rows = []
-    for n in args.real_stations:
-        threads = max(1, (os.cpu_count() or 1) // n)
-        ranges = plan_layers(cfg.num_hidden_layers, n)
-        procs, addresses = start_stations(ranges, ["--model", str(model_dir), "--threads", str(threads),
-                                                   "--device", args.real_device, "--dtype", args.real_dtype,
-                                                   *relay_flags(args)])
-        try:
-            warm = [[1] + [(7 * j) % (cfg.vocab_size - 3) + 3 for j in range(31)]] * 2
-            run_point(addresses, cfg, args.paths[-1], warm, 4, 2, args.decode_steps)  # untimed: first-call costs
-            for k in args.real_k:
-                prompts = [[1] + [(97 * i + 13 * j) % (cfg.vocab_size - 3) + 3 for j in range(31)] for i in range(k)]
-                got = {path: run_point(addresses, cfg, path, prompts, args.tokens, k, args.decode_steps,
-                                       tuple(proc.pid for proc in procs))
-                       for path in args.paths}
-                same = len({json.dumps(r.pop("tokens")) for r in got.values()}) == 1
-                for r in got.values():
-                    r["tokens_identical"] = same
-                    rows.append(r)
-                log(f"real N={n} K={k}: " + ", ".join(f"{p} {r['wall_ms_per_step']:.1f} ms/step" for p, r in got.items()))
-        finally:
-            stop_stations(procs)
+    try:
+        warm = [[1] + [(7 * j) % (cfg.vocab_size - 3) + 3 for j in range(31)]] * 2
+        run_point(addresses, cfg, args.paths[-1], warm, 4, 2, args.decode_steps)  # untimed: first-call costs
+        for k in args.real_k:
+            prompts = [[1] + [(97 * i + 13 * j) % (cfg.vocab_size - 3) + 3 for j in range(31)] for i in range(k)]
+            got = {path: run_point(addresses, cfg, path, prompts, args.tokens, k, args.decode_steps,
+                                   tuple(proc.pid for proc in procs), args.real_wave_tokens)
+                   for path in args.paths}
+            digests = {path: hashlib.sha256(json.dumps(r.pop("tokens")).encode()).hexdigest()[:12]
+                       for path, r in got.items()}
+            for path, r in got.items():
+                r["tokens_identical"], r["tokens_sha256"] = len(set(digests.values())) == 1, digests[path]
+                rows.append(r)
+            log(f"real N={n} K={k}: " + ", ".join(f"{p} {r['wall_ms_per_step']:.1f} ms/step" for p, r in got.items()))
+    finally:
+        stop_stations(procs)
     return rows
 
 
@@ -240,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--real-k", type=ints, default=[16, 32])
     p.add_argument("--real-device", default="cpu", help="the real stations' device (cuda: every station on one GPU)")
     p.add_argument("--real-dtype", default="float32", help="the real stations' dtype")
+    p.add_argument("--real-threads", type=int, default=0,
+                   help="torch threads of each real station, each pinned to that many cores of its own (0: cores // N, unpinned)")
+    p.add_argument("--real-balance", choices=("layers", "memory", "compute"), default="layers",
+                   help="how the real stations split the layers: evenly, or as stations.balance does")
+    p.add_argument("--real-wave-tokens", type=int, default=0,
+                   help="scheduler.max_wave_tokens of the real points (0: max(K, 64 per station))")
     p.add_argument("--relay", choices=("link", "grpc"), default="link",
                    help="how the direct path's hops travel: relay links (station/relay_link.py) or gRPC calls")
     p.add_argument("--rounds", type=int, default=1,
@@ -276,13 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     real_rows = [] if args.skip_real else real(args)
     if real_rows:
         print(f"\nReal compute (`bench` preset, {args.real_dtype} on {args.real_device}), hub vs direct, prompt 32, greedy")
-        print("| stations | K | path | ms/step | KiB through orchestrator/step | orchestrator CPU ms/step "
-              "| hop p50 ms | wave calls | station CPU ms/step | tokens identical |")
-        print("|---:|---:|---|---:|---:|---:|---:|---:|---|---|")
+        print("| stations | K | path | tok/s | ms/step | KiB through orchestrator/step | orchestrator CPU ms/step "
+              "| hop p50 ms | wave calls | station CPU ms/step | tokens identical | tokens sha256 |")
+        print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|")
         for r in real_rows:
-            print(f"| {r['stations']} | {r['k']} | {r['path']} | {r['wall_ms_per_step']:.1f} "
+            print(f"| {r['stations']} | {r['k']} | {r['path']} | {r['tok_s']:.1f} | {r['wall_ms_per_step']:.1f} "
                   f"| {r['orch_kib_per_step']:.1f} | {r['cpu_ms_per_step']:.2f} | {r['hop_p50_ms']:.2f} | {r['waves']} "
-                  f"| {r['station_cpu_ms_per_step']} | {r['tokens_identical']} |")
+                  f"| {r['station_cpu_ms_per_step']} | {r['tokens_identical']} | {r['tokens_sha256']} |")
     print(f"load at end: {os.getloadavg()}")
     print(json.dumps({"simulated": sim_rows, "real": real_rows, "load_end": os.getloadavg()}))
     return 0

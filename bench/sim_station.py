@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of a real station")
     p.add_argument("--device", default="cpu", help="a real station's device (cpu, cuda, cuda:1, ...)")
     p.add_argument("--dtype", default="float32", help="a real station's dtype (float32, bfloat16, float16)")
+    p.add_argument("--cpus", type=int, default=0,
+                   help="a real station claims and pins this many whole cores among the claims in --claim-dir (0: none)")
+    p.add_argument("--claim-dir", help="the core-claim folder the stations of one run share")
     p.add_argument("--no-relay-link", action="store_true", help="relays as gRPC Forward calls (for comparison)")
     args = p.parse_args(argv)
     from mesh.core.compute import on_compute_thread
@@ -154,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         from station.step import Station
 
+        if args.cpus:
+            from station.cores import claim_cores
+
+            placement = claim_cores(args.cpus, args.claim_dir)
+            if not placement.pinned:
+                print(f"station {args.layers}: {placement.reason}", file=sys.stderr, flush=True)
         on_compute_thread(torch.set_num_threads, args.threads)
         station = Station(args.model, StationSpec(layers=(a, b), device=args.device, dtype=args.dtype))
     else:
