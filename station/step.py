@@ -141,7 +141,8 @@ class Station:
         return StationOutput(out[0], out[1], seconds, out[2])
 
     def _compute(self, entries: tuple[WaveEntry, ...], x: torch.Tensor, want_logits: bool):
-        positions = torch.cat([torch.arange(e.start_pos, e.end_pos) for e in entries]).to(self.device)  # [T]
+        positions = torch.tensor([p for e in entries for p in range(e.start_pos, e.end_pos)],
+                                 device=self.device)  # [T], int64
         hidden = self.model.embed(x) if self.is_first else x  # [T, d]
         ctx = (NativeWaveAttention(self.kv, self.spec.start, entries, self.config.sliding_window)
                if self.linear_backend == "packed"  # the native float32 kernels (mesh.core.model.kernels)

@@ -50,12 +50,14 @@ class WaveAttention:
             row += e.n_tokens
         self.blocks = torch.tensor(blocks, device=device)  # [T]
         self.offsets = torch.tensor(offsets, device=device)  # [T]
-        self.decode_groups = []  # (rows [B], block tables [B, nb], hidden key positions [B, 1, 1, S])
+        self.decode_groups = []  # (rows [B] or None: every row of the wave, in order; block tables [B, nb];
+        # hidden key positions [B, 1, 1, S])
+        whole = not self.chunks and len(by_blocks) == 1  # one group of decode rows, all of the wave's rows
         for nb, group in by_blocks.items():
             lens = torch.tensor([length for _, _, length in group])[:, None]  # [B, 1]
             k_pos = torch.arange(nb * bt)[None, :]  # [1, S]
             mask = (k_pos < lens) & _visible(k_pos, lens - 1, window)  # [B, S]
-            self.decode_groups.append((torch.tensor([r for r, _, _ in group], device=device),
+            self.decode_groups.append((None if whole else torch.tensor([r for r, _, _ in group], device=device),
                                        torch.tensor([t for _, t, _ in group], device=device),
                                        ~mask[:, None, None, :].to(device)))
 
@@ -63,16 +65,19 @@ class WaveAttention:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; stores k/v first."""
         local = layer - self.first_layer
         self.kv.write(local, self.blocks, self.offsets, k, v)
-        out = torch.empty_like(q)  # [T, H, D]
+        out = None if self.decode_groups and self.decode_groups[0][0] is None else torch.empty_like(q)  # [T, H, D]
         for rows, tables, hidden in self.decode_groups:
             keys, values = self.kv.gather(local, tables)  # [B, nb, KVH, blk, D] each
             b, nb, kvh, blk, d = keys.shape  # the matmuls' shapes depend on nb, never on B
-            qd = q.index_select(0, rows).view(b, 1, kvh, -1, d)  # [B, 1, KVH, G, D]: query heads by KV head
+            qd = (q if rows is None else q.index_select(0, rows)).reshape(b, 1, kvh, -1, d)  # [B, 1, KVH, G, D]
             scores = torch.matmul(qd, keys.transpose(-1, -2))  # [B, nb, KVH, G, blk]
             scores = scores.permute(0, 2, 3, 1, 4).reshape(b, kvh, -1, nb * blk) * d**-0.5  # [B, KVH, G, S]
             probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)  # [B, KVH, G, S]
             probs = probs.view(b, kvh, -1, nb, blk).permute(0, 3, 1, 2, 4)  # [B, nb, KVH, G, blk]
-            out.index_copy_(0, rows, torch.matmul(probs, values).sum(1).view(b, -1, d))  # [B, H, D]
+            attended = torch.matmul(probs, values).sum(1).view(b, -1, d)  # [B, H, D]
+            if rows is None:  # the wave is this one group: its rows are the output, in order
+                return attended
+            out.index_copy_(0, rows, attended)
         for rows, table, mask in self.chunks:
             blocks = self.kv.gather(local, table[None])  # [1, nb, KVH, blk, D] each
             keys, values = (t[0].transpose(0, 1).flatten(1, 2) for t in blocks)  # [KVH, S', D]
