@@ -71,3 +71,24 @@ def test_linear_backends_agree(tiny_llama, backend):
     assert (a - b).abs().max().item() < 1e-4
     with pytest.raises(ValueError, match="linear_backend"):
         resolve_linear_backend("blas", torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_rows_give_the_bits_of_transformers_rotation(tiny_llama, dtype):
+    """The torch path's rotation (RopeRows: swapped halves times a sign-folded sin) against transformers' own
+    apply_rotary_pos_emb on the same cos/sin: equal bit for bit, in float32 and bfloat16."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from mesh.core.config import ModelConfig
+    from mesh.core.model.llama import RopeRows, rope_cos_sin, rope_inv_freq
+
+    cfg = ModelConfig.from_dir(tiny_llama)
+    g = torch.Generator().manual_seed(3)
+    t = 37
+    q = torch.randn(t, cfg.num_attention_heads, cfg.head_dim, generator=g).to(dtype)  # [T, H, D]
+    k = torch.randn(t, cfg.num_key_value_heads, cfg.head_dim, generator=g).to(dtype)  # [T, KVH, D]
+    cos, sin = rope_cos_sin(rope_inv_freq(cfg), torch.arange(100, 100 + t), dtype)  # [T, D] each
+    rope = RopeRows.of(cos, sin)
+    ref_q, ref_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    assert torch.equal(rope.rotate(q), ref_q[0].transpose(0, 1))
+    assert torch.equal(rope.rotate(k), ref_k[0].transpose(0, 1))
