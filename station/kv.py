@@ -71,6 +71,7 @@ class KVPool:
         shape = (self.layers, self.num_blocks + 1, cfg.num_key_value_heads, block_tokens, cfg.head_dim)
         self.k = _zeros(shape, TORCH_DTYPES[spec.dtype], spec.device)
         self.v = _zeros(shape, TORCH_DTYPES[spec.dtype], spec.device)
+        self._k_layers, self._v_layers = self.k.unbind(0), self.v.unbind(0)  # per-layer views, taken once
         self.populating = (populate_in_background((self.k, self.v), "kv-populate") if self.k.device.type == "cpu"
                            else None)  # the budget's pages faulted in beside the first waves, not inside them
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low indices first (may hold stale ids)
@@ -201,15 +202,16 @@ class KVPool:
 
     def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store rows k/v [n, KVH, D] of local `layer` at (blocks, offsets) [n]."""
-        self.k[layer][blocks, :, offsets] = k  # [n, KVH, D]
-        self.v[layer][blocks, :, offsets] = v
+        self._k_layers[layer][blocks, :, offsets] = k  # [n, KVH, D]
+        self._v_layers[layer][blocks, :, offsets] = v
 
     def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of sequences by padded block tables [B, nb] -> each [B, nb, KVH, block_tokens, D] (one
         contiguous copy of whole blocks)."""
         b, nb = tables.shape
-        k = self.k[layer].index_select(0, tables.reshape(-1))  # [B*nb, KVH, blk, D]
-        v = self.v[layer].index_select(0, tables.reshape(-1))
+        flat = tables.reshape(-1)  # [B*nb]
+        k = self._k_layers[layer].index_select(0, flat)  # [B*nb, KVH, blk, D]
+        v = self._v_layers[layer].index_select(0, flat)
         return k.view(b, nb, *k.shape[1:]), v.view(b, nb, *v.shape[1:])
 
     def stats(self) -> KVStats:
