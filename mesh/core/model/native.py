@@ -1,7 +1,8 @@
 """The station's own C kernels (mesh/core/model/csrc/*.c), compiled once per machine and loaded with ctypes.
 
-The library is built with the system C compiler (`cc -O3 -march=native -fopenmp`) into ~/.cache/wavemesh/kernels
-(or a per-user temporary folder where the home is not writable), under a name that hashes the sources and
+The library is built with the system C compiler (`cc -O3 -march=native -fopenmp`, and on an Intel CPU
+-DWAVEMESH_PREFETCH_T0) into ~/.cache/wavemesh/kernels (or a per-user temporary folder where the home is not
+writable), under a name that hashes the sources and
 headers, the flags and the CPU model, so a changed source, another compiler flag or another machine builds afresh
 and concurrent stations never read a half-written file (written to a temporary name, then renamed). It links the
 same OpenMP runtime torch already loaded (libgomp.so.1), so its threads are torch's threads. Where no compiler or
@@ -23,6 +24,21 @@ from pathlib import Path
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))  # included by the sources: part of the key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+def _cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where it cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "")
+
+
+def build_flags() -> tuple[str, ...]:
+    """CFLAGS and what this CPU's vendor chooses in the sources: on Intel, streamed weights are requested into L1,
+    never as non-temporal (csrc/register_tile.h, WAVEMESH_PREFETCH_T0)."""
+    return CFLAGS + (("-DWAVEMESH_PREFETCH_T0",) if _cpu_vendor() == "GenuineIntel" else ())
 
 
 def kernel_dir() -> Path:
@@ -49,13 +65,13 @@ def _cpu_model() -> str:
 
 
 def build_library(compiler: str, target: Path, sources: tuple[Path, ...] = SOURCES) -> None:
-    """Compile `sources` (default: the station's kernels) with CFLAGS into the shared library `target`, written
+    """Compile `sources` (default: the station's kernels) with build_flags() into the shared library `target`, written
     under a temporary name and then renamed, so a concurrent reader never sees half a file."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *CFLAGS, *map(str, sources), "-o", tmp, "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *build_flags(), *map(str, sources), "-o", tmp, "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -81,7 +97,8 @@ SIGNATURES = {  # every exported function's argument types (all return void)
 
 def library_name(files: tuple[Path, ...]) -> str:
     """The compiled library's file name: a hash of every source and header, the flags and the CPU model."""
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(CFLAGS).encode() + _cpu_model().encode())
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join(build_flags()).encode()
+                         + _cpu_model().encode())
     return f"wavemesh-native-{key.hexdigest()[:16]}.so"
 
 

@@ -56,12 +56,25 @@ INLINE vec in_register(vec v) {
 /* How a streamed weight is requested ahead, as measured per build: with AVX-512 (a Zen 5 VM, session 19) one or two
  * rows request each pass's weights 16 k ahead and every request is non-temporal, so the glue between a station's
  * native calls keeps its caches; with AVX2 (a Zen 3 VM, sessions 10-11) one or two rows leave it to the hardware
- * prefetcher (3-8% faster there than requesting) and the next block goes into L2. */
-#if defined(__AVX512F__)
+ * prefetcher (3-8% faster there than requesting) and the next block goes into L2. 3-40 rows request the next block
+ * (MID_ROWS_AHEAD; see rows_requesting). On an Intel Xeon with AVX-512 (the session 27 VMs; the build defines
+ * WAVEMESH_PREFETCH_T0 where /proc/cpuinfo names GenuineIntel) every non-temporal request roughly halves the speed:
+ * there 1-40 rows request each pass's weights 16 k ahead into L1, as more rows do everywhere, and a model's linears
+ * take 0.42-0.53x the time at 1-32 rows (bench/out/linear_stream_intel_s27.txt). */
+#if defined(__AVX512F__) && defined(WAVEMESH_PREFETCH_T0)
+#define FEW_ROWS_AHEAD 16
+#define MID_ROWS_PREFETCH 16
+#define MID_ROWS_AHEAD 0
+#define NEXT_BLOCK_HINT _MM_HINT_T1
+#elif defined(__AVX512F__)
 #define FEW_ROWS_AHEAD (-16)
+#define MID_ROWS_PREFETCH 0
+#define MID_ROWS_AHEAD 1
 #define NEXT_BLOCK_HINT _MM_HINT_NTA
 #else
 #define FEW_ROWS_AHEAD 0
+#define MID_ROWS_PREFETCH 0
+#define MID_ROWS_AHEAD 1
 #define NEXT_BLOCK_HINT _MM_HINT_T1
 #endif
 
@@ -141,7 +154,7 @@ INLINE void all_rows_over_block(const float *x, int64_t ldx, int64_t T, const fl
                                 float *acc) {
     if (!streamed) rows_requesting(x, ldx, T, w, kb, 0, 0, acc);
     else if (T <= 2) rows_requesting(x, ldx, T, w, kb, FEW_ROWS_AHEAD, 0, acc);
-    else if (T <= 40) rows_requesting(x, ldx, T, w, kb, 0, 1, acc);
+    else if (T <= 40) rows_requesting(x, ldx, T, w, kb, MID_ROWS_PREFETCH, MID_ROWS_AHEAD, acc);
     else rows_requesting(x, ldx, T, w, kb, 16, 0, acc);
 }
 
