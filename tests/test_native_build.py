@@ -35,6 +35,19 @@ def test_an_edited_header_names_another_library(tmp_path):
     assert library_name(files) == before  # the bytes alone name it: the edit undone, the same library
 
 
+def test_the_cpu_vendor_chooses_the_request_policy_and_names_its_library(monkeypatch):
+    """Intel builds request streamed weights into L1 (WAVEMESH_PREFETCH_T0), others keep the non-temporal policy;
+    the two builds are different libraries, so a cache shared across vendors never loads the other's."""
+    names = {}
+    for vendor in ("GenuineIntel", "AuthenticAMD"):
+        monkeypatch.setattr(native, "_cpu_vendor", lambda v=vendor: v)
+        names[vendor] = library_name(SOURCES + HEADERS)
+        assert ("-DWAVEMESH_PREFETCH_T0" in native.build_flags()) == (vendor == "GenuineIntel")
+    assert names["GenuineIntel"] != names["AuthenticAMD"]
+    header = next(h for h in HEADERS if h.name == "register_tile.h").read_text()
+    assert "#if defined(__AVX512F__) && defined(WAVEMESH_PREFETCH_T0)" in header  # the flag is read where it matters
+
+
 @pytest.mark.skipif(resolve_linear_backend("auto", torch.device("cpu"), torch.float32) != "packed",
                     reason="the packed native kernels do not run here")
 def test_waves_of_every_row_count_compile_nothing(tiny_llama, monkeypatch):
