@@ -50,14 +50,13 @@ class WaveAttention:
             row += e.n_tokens
         self.blocks = torch.tensor(blocks, device=device)  # [T]
         self.offsets = torch.tensor(offsets, device=device)  # [T]
-        self.decode_groups = []  # (rows [B] or None: every row of the wave, in order; block tables [B, nb];
-        # hidden key positions [B, 1, 1, S])
-        whole = not self.chunks and len(by_blocks) == 1  # one group of decode rows, all of the wave's rows
+        self.whole = not self.chunks and len(by_blocks) == 1  # one group of decode rows holds every row, in order
+        self.decode_groups = []  # (rows [B] (None when whole), block tables [B, nb], hidden key positions [B, 1, 1, S])
         for nb, group in by_blocks.items():
             lens = torch.tensor([length for _, _, length in group])[:, None]  # [B, 1]
             k_pos = torch.arange(nb * bt)[None, :]  # [1, S]
             mask = (k_pos < lens) & _visible(k_pos, lens - 1, window)  # [B, S]
-            self.decode_groups.append((None if whole else torch.tensor([r for r, _, _ in group], device=device),
+            self.decode_groups.append((None if self.whole else torch.tensor([r for r, _, _ in group], device=device),
                                        torch.tensor([t for _, t, _ in group], device=device),
                                        ~mask[:, None, None, :].to(device)))
 
@@ -65,19 +64,12 @@ class WaveAttention:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; stores k/v first."""
         local = layer - self.first_layer
         self.kv.write(local, self.blocks, self.offsets, k, v)
-        out = None if self.decode_groups and self.decode_groups[0][0] is None else torch.empty_like(q)  # [T, H, D]
+        if self.whole:  # the wave is one group of decode rows: its result is the output, no gather or scatter
+            _, tables, hidden = self.decode_groups[0]
+            return self._decode_group(local, q, tables, hidden)
+        out = torch.empty_like(q)  # [T, H, D]
         for rows, tables, hidden in self.decode_groups:
-            keys, values = self.kv.gather(local, tables)  # [B, nb, KVH, blk, D] each
-            b, nb, kvh, blk, d = keys.shape  # the matmuls' shapes depend on nb, never on B
-            qd = (q if rows is None else q.index_select(0, rows)).reshape(b, 1, kvh, -1, d)  # [B, 1, KVH, G, D]
-            scores = torch.matmul(qd, keys.transpose(-1, -2))  # [B, nb, KVH, G, blk]
-            scores = scores.permute(0, 2, 3, 1, 4).reshape(b, kvh, -1, nb * blk) * d**-0.5  # [B, KVH, G, S]
-            probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)  # [B, KVH, G, S]
-            probs = probs.view(b, kvh, -1, nb, blk).permute(0, 3, 1, 2, 4)  # [B, nb, KVH, G, blk]
-            attended = torch.matmul(probs, values).sum(1).view(b, -1, d)  # [B, H, D]
-            if rows is None:  # the wave is this one group: its rows are the output, in order
-                return attended
-            out.index_copy_(0, rows, attended)
+            out.index_copy_(0, rows, self._decode_group(local, q.index_select(0, rows), tables, hidden))
         for rows, table, mask in self.chunks:
             blocks = self.kv.gather(local, table[None])  # [1, nb, KVH, blk, D] each
             keys, values = (t[0].transpose(0, 1).flatten(1, 2) for t in blocks)  # [KVH, S', D]
@@ -87,6 +79,17 @@ class WaveAttention:
                                                 enable_gqa=True)
             out[rows] = oc[0].transpose(0, 1)  # [n, H, D]
         return out
+
+    def _decode_group(self, local: int, q: torch.Tensor, tables: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """One decode group's attention: q [B, H, D] over its block tables [B, nb] -> [B, H, D]."""
+        keys, values = self.kv.gather(local, tables)  # [B, nb, KVH, blk, D] each
+        b, nb, kvh, blk, d = keys.shape  # the matmuls' shapes depend on nb, never on B
+        qd = q.reshape(b, 1, kvh, -1, d)  # [B, 1, KVH, G, D]: query heads by KV head
+        scores = torch.matmul(qd, keys.transpose(-1, -2))  # [B, nb, KVH, G, blk]
+        scores = scores.permute(0, 2, 3, 1, 4).reshape(b, kvh, -1, nb * blk) * d**-0.5  # [B, KVH, G, S]
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)  # [B, KVH, G, S]
+        probs = probs.view(b, kvh, -1, nb, blk).permute(0, 3, 1, 2, 4)  # [B, nb, KVH, G, blk]
+        return torch.matmul(probs, values).sum(1).view(b, -1, d)  # [B, H, D]
 
 
 def _visible(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
