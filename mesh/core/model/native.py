@@ -26,13 +26,19 @@ HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))  # include
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
-def _cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where it cannot be read."""
+def _cpuinfo_lines(*prefixes: str) -> list[str] | None:
+    """The first /proc/cpuinfo line starting with each prefix ("" where none does), or None where it cannot be read."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return ""
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "")
+        return None
+    return [next((line for line in lines if line.startswith(p)), "") for p in prefixes]
+
+
+def _cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where it cannot be read."""
+    found = _cpuinfo_lines("vendor_id")
+    return found[0].partition(":")[2].strip() if found else ""
 
 
 def build_flags() -> tuple[str, ...]:
@@ -55,13 +61,8 @@ def kernel_dir() -> Path:
 
 def _cpu_model() -> str:
     """The CPU's model name and feature flags (what -march=native compiles for)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    model = next((line for line in lines if line.startswith("model name")), "")
-    flags = next((line for line in lines if line.startswith("flags")), "")
-    return model + flags or platform.processor()
+    found = _cpuinfo_lines("model name", "flags")
+    return "".join(found or ()) or platform.processor()
 
 
 def build_library(compiler: str, target: Path, sources: tuple[Path, ...] = SOURCES) -> None:
@@ -71,8 +72,8 @@ def build_library(compiler: str, target: Path, sources: tuple[Path, ...] = SOURC
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *build_flags(), *map(str, sources), "-o", tmp, "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
+        subprocess.run([compiler, *build_flags(), *map(str, sources), "-o", tmp, "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
