@@ -60,7 +60,7 @@ INLINE vec in_register(vec v) {
  * (MID_ROWS_AHEAD; see rows_requesting). On an Intel Xeon with AVX-512 (the session 27 VMs; the build defines
  * WAVEMESH_PREFETCH_T0 where /proc/cpuinfo names GenuineIntel) every non-temporal request roughly halves the speed:
  * there 1-40 rows request each pass's weights 16 k ahead into L1, as more rows do everywhere, and a model's linears
- * take 0.42-0.53x the time at 1-32 rows (bench/out/linear_stream_intel_s27.txt). */
+ * take 0.44-0.56x the time at 1-32 rows (bench/out/linear_stream_intel_s27.txt). */
 #if defined(__AVX512F__) && defined(WAVEMESH_PREFETCH_T0)
 #define FEW_ROWS_AHEAD 16
 #define MID_ROWS_PREFETCH 16
