@@ -16,6 +16,7 @@
 #   sim_hub.txt      (simhub) the SIMULATED sweep on the hub path, one round
 #   quota.txt        the core quota on real compute: 1 station on 1 core vs 2 on 1 core each, pinned, host CPU
 #   ops.txt          bench/wave_ops.py: torch calls, device kernels and wall time of one wave on the torch path
+#   graphs.txt       bench/decode_graphs_check.py: decode waves replayed as CUDA graphs against eager, bits and times
 # DEVICE=cpu QUICK=1 runs the same parts here, small (to check the script itself).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WAVEMESH_CACHE=/tmp/wavemesh-cache
@@ -24,10 +25,10 @@ out=${OUT:-/tmp/wavemesh-device-out}
 py=${PYTHON:-python3}
 if [ -n "${QUICK:-}" ]; then  # small shapes, to check the script itself
   step_args=(--quick); sim_args=(--quick); real_args=(--quick --real-stations 1,2); quick_args=(--quick)
-  ops_args=(--model tiny --repeats 3)
+  ops_args=(--model tiny --repeats 3); graphs_args=(--presets tiny:float32 --batches 1,4 --steps 6)
 else
   step_args=(--batches 1,16,64 --repeats 3); sim_args=(--stations 1,2,4,8 --paths direct --rounds 3)
-  real_args=(--real-stations 1,2,3 --real-k 16,64); quick_args=(); ops_args=()
+  real_args=(--real-stations 1,2,3 --real-k 16,64); quick_args=(); ops_args=(); graphs_args=()
 fi
 mkdir -p "$out"
 {
@@ -96,11 +97,16 @@ ops() {  # torch calls and device kernels of one wave on the torch path, and its
   timeout 120 $py bench/wave_ops.py --device "$device" "${ops_args[@]}" 2>&1 | grep -v "USDT\|STAGE:" | tee "$out/ops.txt"
 }
 
+graphs() {  # CUDA graphs vs eager: the same decode waves through both, logits compared bit for bit, waves timed
+  timeout 150 $py bench/decode_graphs_check.py --device "$device" "${graphs_args[@]}" 2>&1 | grep -v "Loading weights" \
+    | tee "$out/graphs.txt"
+}
+
 for part in ${PARTS:-parity bf16 sim real f32}; do
   case $part in
     bf16) step bfloat16 150 ;;  # the dtype a GPU station serves in
     f32) step float32 120 ;;
-    parity|sim|simhub|real|quota|ops) $part ;;
+    parity|sim|simhub|real|quota|ops|graphs) $part ;;
     *) echo "device_check: unknown part $part" ;;
   esac
 done

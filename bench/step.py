@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--linear-backend", default="auto", choices=["aten", "onednn", "packed", "auto"],
                    help="the station's matmul kernel (StationSpec.linear_backend)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs on a CUDA device (StationSpec.cuda_graphs off)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     p.add_argument("--quick", action="store_true", help="batches 1,4; steps 8; repeats 1")
@@ -188,7 +189,7 @@ def _main(argv: list[str] | None) -> int:
     kv_bytes = max(kv_need, StationSpec(layers=(0, layers)).kv_bytes)
     station = Station(model_dir, StationSpec(layers=(0, layers), dtype=args.dtype, device=args.device,
                                              linear_backend=args.linear_backend,
-                                             kv_bytes=kv_bytes))
+                                             kv_bytes=kv_bytes, cuda_graphs=not args.eager))
     print(f"model {model_dir} ({layers} layers, {args.dtype}, {args.device}); prompt {args.prompt_len}, "
           f"{args.steps} tokens/seq (decode timed over {args.steps - 1}), {args.repeats} repeats", file=sys.stderr)
 
@@ -232,6 +233,10 @@ def _main(argv: list[str] | None) -> int:
         print(f"batch-1 greedy tokens identical to HF: {fig['b1_tokens_match_hf']}")
     print(f"bandwidth {bw:.1f} GB/s; weights {weight_bytes / 2**20:.1f} MiB (embedding {embed_bytes / 2**20:.1f} MiB "
           f"of it, only B rows read per step); roofline {steps_s:.1f} steps/s")
+    graphs = station.graphs
+    if graphs is not None:
+        print(f"CUDA graphs: {graphs.captures} decode-wave shapes captured, {graphs.replays} waves replayed"
+              + (f"; capture FAILED, eager since: {graphs.failed}" if graphs.failed else ""))
     mach = describe_machine()
     print(f"machine: {mach['cpu']}, {mach['cores']} cores, torch {mach['torch']} with {mach['torch_threads']} threads"
           f", load average {os.getloadavg()[0]:.2f}")
@@ -242,6 +247,7 @@ def _main(argv: list[str] | None) -> int:
         "roofline_fraction": {k: ours[k] / roof[k] for k in ours},
         "prompt_len": args.prompt_len, "steps": args.steps, "repeats": args.repeats, "dtype": args.dtype,
         "linear_backend": station.linear_backend,
+        "cuda_graphs": None if graphs is None else {"captured": graphs.captures, "replayed": graphs.replays},
         "device": args.device, "model": str(model_dir), "machine": mach, "load_avg_1m": os.getloadavg()[0],
     }
     print(json.dumps(figures))

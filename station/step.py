@@ -24,6 +24,7 @@ from mesh.core.model.packed import PackedLoad
 from mesh.core.model.packed_cache import PackedCache
 from mesh.core.sampling import sample_tokens
 from mesh.core.wave import KVUsage, StationOutput, WaveEntry, decode_step_entries, decode_steps_problem, wave_rows
+from station.decode_graphs import DecodeGraphs
 from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats, StepError
 from station.kv_copy import export_rows, import_rows
 from station.native_attention import NativeWaveAttention
@@ -80,6 +81,9 @@ class Station:
         self.linear_backend, self.packed_load = setup.backend, setup.packed or PackedLoad()
         self.fused = fuse_layers(self.model)  # every layer in one native call where all run the packed kernels
         self.kv = KVPool(self.config, spec, block_tokens)
+        # decode waves replayed as CUDA graphs (station.decode_graphs) on a CUDA device, unless the spec says eager
+        self.graphs = (DecodeGraphs(self.model, self.kv, spec.start, self.device)
+                       if self.device.type == "cuda" and spec.cuda_graphs else None)
         self.load_seconds = time.perf_counter() - started
 
     @property
@@ -149,6 +153,8 @@ class Station:
                else WaveAttention(self.kv, self.spec.start, entries, self.device, self.config.sliding_window))
         if self.fused is not None and isinstance(ctx, NativeWaveAttention):
             hidden = ctx.run_layers(self.fused, hidden, positions)  # [T, d], the model's bits in one C call
+        elif self.graphs is not None and (replayed := self.graphs.run(ctx, hidden, positions)) is not None:
+            hidden = replayed  # [T, d], the eager kernels' bits from one graph replay
         else:
             hidden = self.model(hidden, positions, ctx)  # [T, d]
         if not self.is_last:

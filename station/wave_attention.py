@@ -60,6 +60,18 @@ class WaveAttention:
                                        torch.tensor([t for _, t, _ in group], device=device),
                                        ~mask[:, None, None, :].to(device)))
 
+    @classmethod
+    def one_group(cls, kv: KVPool, first_layer: int, blocks: torch.Tensor, offsets: torch.Tensor,
+                  tables: torch.Tensor, masked: torch.Tensor) -> WaveAttention:
+        """The context of a wave of decode rows over one block count, on tensors given (a CUDA graph's inputs,
+        station/decode_graphs.py): blocks / offsets [T] each row's KV slot, tables [T, nb], masked [T, 1, 1, S]
+        the keys each row may not see."""
+        ctx = cls.__new__(cls)
+        ctx.kv, ctx.first_layer = kv, first_layer
+        ctx.blocks, ctx.offsets, ctx.chunks, ctx.whole = blocks, offsets, [], True
+        ctx.decode_groups = [(None, tables, masked)]
+        return ctx
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; stores k/v first."""
         local = layer - self.first_layer

@@ -59,7 +59,8 @@ _SCHEMA = {  # section: {key: kind}
                 "replan_timeout_s": "pos_num",
                 "tls_cert": "opt_str", "tls_key": "opt_str", "tls_ca": "opt_str"},
     "station": {"layers": "layers", "device": "str", "dtype": "str", "kv_bytes": "size",
-                "num_gpus": "nonneg_num", "num_cpus": "nonneg_num", "linear_backend": "str", "resources": "resources"},
+                "num_gpus": "nonneg_num", "num_cpus": "nonneg_num", "linear_backend": "str", "resources": "resources",
+                "cuda_graphs": "bool"},
 }
 _TOP = ("ray", "model", "dtype", "device", "kv_bytes", "num_cpus", "stations", "scheduler", "api", "cluster")
 

@@ -232,8 +232,10 @@ class StationSpec:
     # a directory (~ expanded on the station's node) where the weights a packed station builds from a GGUF are
     # kept for the next station holding the same layers (mesh.core.model.packed_cache); "" keeps nothing
     packed_cache: str = ""
+    cuda_graphs: bool = True  # on a CUDA device, replay decode waves as CUDA graphs (station.decode_graphs); False: eager
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.cuda_graphs, bool), f"cuda_graphs: expected true or false, got {self.cuda_graphs!r}")
         _require(isinstance(self.packed_cache, str), f"packed_cache: expected a directory path string, got "
                  f"{self.packed_cache!r}")
         _require(is_int(self.copy) and self.copy >= 0, f"copy: expected an integer >= 0, got {self.copy!r}")
