@@ -2,37 +2,43 @@
 
 On a GPU the torch path is bound by the host: a 64-row decode wave of the bench preset is ~800 small kernels, each
 launched from Python (~15 us apiece on session 27's H200 host, 16 ms a wave for well under a millisecond of device
-work). A wave whose rows are all decode rows over the same number of KV blocks (WaveAttention's one-group wave, what
-a steady decode wave is) has every shape set by (rows, blocks) alone. Such a wave's layers are recorded once per
-(rows, blocks) into a CUDA graph and replayed after: the wave's inputs (hidden rows, positions, KV slots, block
-tables, key mask) are copied into the graph's own input tensors, one replay launches every kernel, and the output
-is copied out. A replay runs the kernels its capture recorded, the eager path's own for that shape, so a row's bits
-do not change (bench/device_check.sh's `graphs` part compares them on the device). Every other wave, and the
-embedding, the final norm, the head and sampling, run eagerly as before.
+work). Decode waves are recorded into CUDA graphs and replayed, in two ways:
 
-The graphs share one memory pool: replays never overlap (a station computes one wave at a time, on its compute
-thread), and what outlives a replay (the input tensors and the output, copied out) is held outside it.
+- **whole**: a wave whose rows all span the same number of KV blocks (WaveAttention's one-group wave, e.g. one
+  sequence, or a batch that started together) has every shape set by (rows, blocks). Its layers are one graph per
+  (rows, blocks): the wave's inputs (hidden rows, positions, KV slots, block tables, key mask) are copied into the
+  graph's own input tensors, one replay launches every kernel, and the output is copied out.
+- **pieces**: any other decode wave (rows over several block counts, as continuous batching makes them) has the
+  shapes of everything but attention set by its row count alone. The layers between attentions are graphs per row
+  count (piece i: the end of layer i-1 and the start of layer i, up to q, k, v), and attention runs eagerly between
+  replays, over the wave's own groups (station.wave_attention), its result copied into the next piece's input.
+
+A replay runs the kernels its capture recorded, the eager path's own for those shapes, so a row's bits do not change
+(bench/device_check.sh's `graphs` part compares them on the device). Waves with prompt chunks, and the embedding, the
+final norm, the head and sampling, run eagerly as before. The graphs share one memory pool: replays never overlap (a
+station computes one wave at a time, on its compute thread), and what a later replay reads (input tensors, each
+piece's outputs, the output) is held for as long as its graphs are.
 """
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from mesh.core.model.llama import LlamaRange, RopeRows, rope_cos_sin
 from station.kv import KVPool
 from station.wave_attention import WaveAttention
 
 log = logging.getLogger(__name__)
-LayersFn = Callable[[torch.Tensor, torch.Tensor, WaveAttention], torch.Tensor]  # (hidden, positions, ctx) -> hidden
 
 
 @dataclass(slots=True)
-class _Recorded:
-    """One (rows, blocks) shape: its input tensors, the context over them, its output, and its graph (None: the
-    shape is replayed by running the layers on the input tensors, where no graph can be captured)."""
+class _Whole:
+    """One (rows, blocks) shape of a one-group wave: its input tensors, the context over them, its output, its graph
+    (None where nothing is captured: the layers then run on the input tensors)."""
 
     hidden: torch.Tensor  # [T, d]
     positions: torch.Tensor  # [T]
@@ -45,80 +51,152 @@ class _Recorded:
     graph: torch.cuda.CUDAGraph | None = None
 
 
-class DecodeGraphs:
-    """A station's recorded decode waves, by (rows, KV blocks): `run` replays the one a wave's shape names."""
+@dataclass(slots=True)
+class _Pieces:
+    """One row count of the piecewise replay: input tensors, what each piece leaves for the next, and the graphs."""
 
-    def __init__(self, layers: LayersFn, kv: KVPool, first_layer: int, device: torch.device, max_graphs: int = 64,
+    hidden: torch.Tensor  # [T, d]
+    positions: torch.Tensor  # [T]
+    attn: torch.Tensor | None = None  # [T, H, D]: the last attention's result, read by the next piece
+    rope: RopeRows | None = None
+    xs: list = field(default_factory=list)  # xs[i]: the rows after piece i (xs[0]: the input), [T, d] each
+    qkv: list = field(default_factory=list)  # qkv[i]: layer i's q, k, v, left by piece i
+    graphs: list = field(default_factory=list)  # one per piece ([] where nothing is captured)
+
+
+class DecodeGraphs:
+    """A station's recorded decode waves (whole by (rows, blocks), in pieces by rows): `run` replays a wave."""
+
+    def __init__(self, model: LlamaRange, kv: KVPool, first_layer: int, device: torch.device, max_graphs: int = 64,
                  capture: bool | None = None) -> None:
-        """`layers(hidden, positions, ctx)`: the station's held layers (LlamaRange.forward); `max_graphs`: shapes kept
-        (the least recently replayed dropped beyond it); `capture`: record CUDA graphs (default: on a CUDA device;
-        False runs the same input tensors eagerly, which is how the CPU tests check this class's plumbing)."""
+        """`model`: the station's layers; `max_graphs`: shapes kept (the least recently replayed dropped beyond
+        it); `capture`: record CUDA graphs (default: on a CUDA device; False runs the same input tensors and pieces
+        eagerly, which is how the CPU tests check this class's plumbing)."""
         if max_graphs < 1:
             raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
-        self._layers, self.kv, self.first_layer, self.device = layers, kv, first_layer, device
+        self.model, self.kv, self.first_layer, self.device = model, kv, first_layer, device
+        self._layers = list(model.model.layers.values())  # DecoderLayer each, in order
         self.capture = device.type == "cuda" if capture is None else capture
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._max = max_graphs
-        self._recorded: OrderedDict[tuple[int, int], _Recorded] = OrderedDict()
-        self.captures = self.replays = 0  # counters (benchmarks and tests read them)
+        self._recorded: OrderedDict[tuple, _Whole | _Pieces] = OrderedDict()
+        self.captures = self.replays = 0  # graphs captured, waves replayed (benchmarks and tests read them)
         self.failed: str | None = None  # why capturing failed (the station then runs every wave eagerly)
 
     def __len__(self) -> int:
         return len(self._recorded)
 
     def run(self, ctx: WaveAttention, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The held layers' output [T, d] for a one-group decode wave (`ctx.whole`), by replay; None for any other
-        wave, or after a capture failed (the caller runs it eagerly). hidden [T, d], positions [T]: the wave's input
-        rows and positions."""
-        if not ctx.whole or self.failed is not None:
+        """The held layers' output [T, d] for a decode wave, by replay; None for a wave with prompt chunks, or after
+        a capture failed (the caller runs it eagerly). hidden [T, d], positions [T]: the wave's rows and positions."""
+        if ctx.chunks or self.failed is not None:
             return None
-        _, tables, masked = ctx.decode_groups[0]
-        key = (hidden.shape[0], tables.shape[1])
+        key = ("whole", hidden.shape[0], ctx.decode_groups[0][1].shape[1]) if ctx.whole else ("pieces", hidden.shape[0])
         rec = self._recorded.get(key)
-        fresh = rec is None
-        if fresh:
+        if rec is None:
+            while len(self._recorded) >= self._max:
+                self._recorded.popitem(last=False)
             try:
-                rec = self._record(key, hidden, positions, ctx, tables, masked)
+                rec, out = self._record_whole(hidden, positions, ctx) if ctx.whole else self._record_pieces(
+                    hidden, positions, ctx)
             except RuntimeError as err:  # a capture the device refused: this station runs eagerly from now on
-                log.warning("CUDA graphs off for this station: capturing a %d-row, %d-block decode wave failed: %s",
-                            *key, err)
+                log.warning("CUDA graphs off for this station: capturing a decode wave %s failed: %s", key, err)
                 self.failed = f"{type(err).__name__}: {err}"
                 self._recorded.clear()
                 return None
+            self._recorded[key] = rec
+            return out  # the capture's warm-up ran this wave
+        self._recorded.move_to_end(key)
+        rec.hidden.copy_(hidden)
+        rec.positions.copy_(positions)
+        if isinstance(rec, _Pieces):
+            return self._replay_pieces(rec, ctx)
+        _, tables, masked = ctx.decode_groups[0]
+        for dst, src in ((rec.blocks, ctx.blocks), (rec.offsets, ctx.offsets), (rec.tables, tables),
+                         (rec.masked, masked)):
+            dst.copy_(src)
+        if rec.graph is None:
+            rec.out = self.model(rec.hidden, rec.positions, rec.ctx)
         else:
-            self._recorded.move_to_end(key)
-            for dst, src in ((rec.hidden, hidden), (rec.positions, positions), (rec.blocks, ctx.blocks),
-                             (rec.offsets, ctx.offsets), (rec.tables, tables), (rec.masked, masked)):
-                dst.copy_(src)
-        if rec.graph is not None:
-            if not fresh:  # a fresh capture's warm-up already ran this wave (its KV writes are the same again)
-                rec.graph.replay()
+            rec.graph.replay()
             self.replays += 1
-        else:
-            rec.out = self._layers(rec.hidden, rec.positions, rec.ctx)
         return rec.out.clone()  # the next replay overwrites rec.out
 
-    def _record(self, key: tuple[int, int], hidden: torch.Tensor, positions: torch.Tensor, ctx: WaveAttention,
-                tables: torch.Tensor, masked: torch.Tensor) -> _Recorded:
-        """Input tensors for the shape `key`, filled with this wave's, and (capturing) its graph; the wave itself
-        runs once in the warm-up, so its output is in `out`."""
-        while len(self._recorded) >= self._max:
-            self._recorded.popitem(last=False)
-        rec = _Recorded(hidden.clone(), positions.clone(), ctx.blocks.clone(), ctx.offsets.clone(), tables.clone(),
-                        masked.clone(), ctx)
+    def _record_whole(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: WaveAttention
+                      ) -> tuple[_Whole, torch.Tensor]:
+        """Input tensors for this wave's (rows, blocks), filled with its own, and (capturing) its graph; the wave
+        runs once, as the warm-up, and its output comes back with the record."""
+        _, tables, masked = ctx.decode_groups[0]
+        rec = _Whole(hidden.clone(), positions.clone(), ctx.blocks.clone(), ctx.offsets.clone(), tables.clone(),
+                     masked.clone(), ctx)
         rec.ctx = WaveAttention.one_group(self.kv, self.first_layer, rec.blocks, rec.offsets, rec.tables, rec.masked)
+        out = self._warm(lambda: self.model(rec.hidden, rec.positions, rec.ctx)).clone()
         if self.capture:
-            side, main = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):  # warm-up off the capture (lazy initialisations, cuBLAS handles)
-                warm = self._layers(rec.hidden, rec.positions, rec.ctx)
-            main.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the station's other threads may copy an earlier wave's rows off the GPU meanwhile
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                rec.out = self._layers(rec.hidden, rec.positions, rec.ctx)
-            rec.out.copy_(warm)  # capture records without running: this wave's output is the warm-up's
-            rec.graph = graph
-            self.captures += 1
-        self._recorded[key] = rec
-        return rec
+            rec.graph = self._graph(lambda: setattr(rec, "out", self.model(rec.hidden, rec.positions, rec.ctx)))
+        return rec, out
+
+    def _record_pieces(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: WaveAttention
+                       ) -> tuple[_Pieces, torch.Tensor]:
+        """Input tensors for this wave's row count and (capturing) one graph per piece; the wave runs once, its
+        pieces eagerly with its attention between them (the warm-up), and its output comes back with the record."""
+        rec = _Pieces(hidden.clone(), positions.clone())
+        out = self._warm(lambda: self._run_pieces(rec, ctx)).clone()
+        if self.capture:
+            rec.graphs = [self._graph(lambda i=i: self._piece(rec, i)) for i in range(len(self._layers) + 1)]
+        return rec, out
+
+    def _replay_pieces(self, rec: _Pieces, ctx: WaveAttention) -> torch.Tensor:
+        out = self._run_pieces(rec, ctx)
+        self.replays += bool(rec.graphs)
+        return out.clone()  # the next replay overwrites it
+
+    def _run_pieces(self, rec: _Pieces, ctx: WaveAttention) -> torch.Tensor:
+        """Every piece in turn (replayed where captured, else run), the wave's attention between them."""
+        for i, layer in enumerate(self._layers):
+            self._step_piece(rec, i)
+            out = ctx.attend(layer.self_attn.layer, *rec.qkv[i])  # [T, H, D], eager: the wave's own groups
+            if rec.attn is None:
+                rec.attn = torch.empty_like(out)
+            rec.attn.copy_(out)
+        self._step_piece(rec, len(self._layers))
+        return rec.xs[-1]
+
+    def _step_piece(self, rec: _Pieces, i: int) -> None:
+        if rec.graphs:
+            rec.graphs[i].replay()
+        else:
+            self._piece(rec, i)
+
+    def _piece(self, rec: _Pieces, i: int) -> None:
+        """Piece i: the end of layer i-1 (from rec.attn, its attention's result) and layer i up to its q, k, v; piece
+        0 makes the wave's rotary tables, and the last piece ends the last layer. Its outputs stay in rec."""
+        layers = self._layers
+        if i == 0:
+            rec.rope = RopeRows.of(*rope_cos_sin(self.model.inv_freq, rec.positions, rec.hidden.dtype))
+            x = rec.hidden
+        else:
+            x = layers[i - 1].after_attention(rec.xs[i - 1], rec.attn)  # [T, d]
+        del rec.xs[i:], rec.qkv[i:]
+        rec.xs.append(x)
+        if i < len(layers):
+            rec.qkv.append(layers[i].before_attention(x, rec.rope))
+
+    def _warm(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """fn() on a side stream where capturing (lazy set-ups happen off the capture), else directly."""
+        if not self.capture:
+            return fn()
+        side, main = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            out = fn()
+        main.wait_stream(side)
+        return out
+
+    def _graph(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """fn recorded (not run) into a graph of the shared pool; fn leaves its outputs where replays will write."""
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the station's other threads may copy an earlier wave's rows off the GPU meanwhile
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            fn()
+        self.captures += 1
+        return graph

@@ -19,40 +19,42 @@ from station.step import Station
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-def _station(model_dir, graphs: bool) -> Station:
+def _station(model_dir, graphs: bool, max_graphs: int = 2) -> Station:
     layers = ModelConfig.from_dir(model_dir).num_hidden_layers
     st = Station(model_dir, StationSpec(layers=(0, layers), dtype="bfloat16", linear_backend="aten"))
     assert st.graphs is None  # a CPU station runs eagerly
     if graphs:
-        st.graphs = DecodeGraphs(st.model, st.kv, 0, st.device, max_graphs=2, capture=False)
+        st.graphs = DecodeGraphs(st.model, st.kv, 0, st.device, max_graphs=max_graphs, capture=False)
     return st
 
 
-def test_replayed_decode_waves_keep_the_eager_bits_across_shapes(tiny_llama):
-    eager, replay = _station(tiny_llama, False), _station(tiny_llama, True)
-    prompts = {1: [5, 9, 13, 2, 7, 11, 3, 8, 1, 4, 6, 12, 10, 14], 2: [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9],
-               3: [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0]}
+# 16-token blocks. Lengths 14, 15, 14: step 0 one block each (whole, 3 rows x 1 block); step 1 seq 2 reaches a second
+# block (pieces, 3 rows); steps 2-4 two blocks each (whole, 3 x 2, recorded then replayed twice from copies).
+# Lengths 14, 15, 30: seq 3 is always a block ahead, so every step is in pieces (recorded, then replayed 4 times).
+@pytest.mark.parametrize("lengths, shapes", [((14, 15, 14), [1, 2, 3, 3, 3]), ((14, 15, 30), [1, 1, 1, 1, 1])])
+def test_replayed_decode_waves_keep_the_eager_bits_across_shapes(tiny_llama, lengths, shapes):
+    eager, replay = _station(tiny_llama, False), _station(tiny_llama, True, max_graphs=3)
+    g = torch.Generator().manual_seed(sum(lengths))
+    prompts = {s: torch.randint(0, 16, (n,), generator=g).tolist() for s, n in zip((1, 2, 3), lengths)}
     prefill = tuple(WaveEntry(s, 0, len(p), GREEDY) for s, p in prompts.items())
     ids = torch.tensor([t for p in prompts.values() for t in p])
     outs = [st.forward(prefill, token_ids=ids, want_logits=True) for st in (eager, replay)]
     assert torch.equal(outs[0].logits, outs[1].logits)
     assert len(replay.graphs) == 0  # prompt chunks run eagerly
     tokens = {s: t.token_id for s, t in zip(prompts, outs[0].samples)}
-    shapes = []
-    for step in range(5):  # 14/15-token prompts: block counts 1 then 2 (16-token blocks), and back to one wave shape
+    recorded = []
+    for step in range(5):
         decode = tuple(WaveEntry(s, len(p) + step, 1, GREEDY) for s, p in prompts.items())
         token_ids = torch.tensor([tokens[s] for s in prompts])
         a, b = (st.forward(decode, token_ids=token_ids, want_logits=True) for st in (eager, replay))
         assert torch.equal(a.logits, b.logits), f"step {step}: replayed logits differ from the eager ones"
         assert a.samples == b.samples
         tokens = {s: t.token_id for s, t in zip(prompts, a.samples)}
-        shapes.append(len(replay.graphs))
-    # step 0: every row within one block, shape (3 rows, 1 block) recorded; step 1: seq 2 reaches a second block, two
-    # groups, eager; steps 2-4: shape (3, 2) recorded, then replayed twice from copies of each wave's inputs
-    assert shapes == [1, 1, 2, 2, 2] and replay.graphs.captures == 0
+        recorded.append(len(replay.graphs))
+    assert recorded == shapes and replay.graphs.captures == 0
     mixed = (WaveEntry(1, 19, 1, GREEDY), WaveEntry(4, 0, 3, GREEDY))  # a decode row and a prompt chunk: eager
     a, b = (st.forward(mixed, token_ids=torch.tensor([tokens[1], 1, 2, 3]), want_logits=True) for st in (eager, replay))
-    assert torch.equal(a.logits, b.logits) and len(replay.graphs) == 2
+    assert torch.equal(a.logits, b.logits) and len(replay.graphs) == shapes[-1]
 
 
 def test_a_shape_dropped_beyond_the_limit_is_recorded_again(tiny_llama):
@@ -75,4 +77,4 @@ def test_cuda_graphs_is_a_checked_switch():
     with pytest.raises(ConfigError, match="cuda_graphs"):
         StationSpec(layers=(0, 1), cuda_graphs="no")
     with pytest.raises(ValueError, match="max_graphs"):
-        DecodeGraphs(lambda h, p, c: h, None, 0, torch.device("cpu"), max_graphs=0)
+        DecodeGraphs(None, None, 0, torch.device("cpu"), max_graphs=0)

@@ -135,6 +135,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RopeRows, ctx: AttentionContext) -> torch.Tensor:
         """x [T, d] -> [T, d]."""
+        return self.output(ctx.attend(self.layer, *self.project(x, rope)))
+
+    def project(self, x: torch.Tensor, rope: RopeRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, d] -> q [T, H, D], k and v [T, KVH, D], q and k rotated: what attention takes."""
         t = x.shape[0]
         if self.qkv_proj is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -148,8 +152,11 @@ class Attention(nn.Module):
             q, k = rope.rotate(q), rope.rotate(k)
         else:
             q, k = self.rope_kernel(q, k, rope.cos, rope.sin)
-        out = ctx.attend(self.layer, q, k, v)  # [T, H, D]
-        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
+        return q, k, v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's result out [T, H, D] -> [T, d]."""
+        return self.o_proj(out.reshape(out.shape[0], self.heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -186,7 +193,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RopeRows, ctx: AttentionContext) -> torch.Tensor:
         """x [T, d] -> [T, d]."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
+        return self.after_attention(x, ctx.attend(self.self_attn.layer, *self.before_attention(x, rope)))
+
+    def before_attention(self, x: torch.Tensor, rope: RopeRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to attention: x [T, d] -> q, k, v (Attention.project of the normed rows)."""
+        return self.self_attn.project(self.input_layernorm(x), rope)
+
+    def after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The layer from attention's result out [T, H, D] on, x [T, d] its input -> [T, d]."""
+        x = x + self.self_attn.output(out)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
