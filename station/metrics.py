@@ -54,6 +54,10 @@ class _StationCollector(Collector):
         yield family(GaugeMetricFamily, "station_packed_weights",
                      "Layers (and head) whose packed weights were mapped from the packed cache or packed at load.",
                      extra={"cache": s.packed_mapped, "load": s.packed_at_load}, label="source")
+        yield family(CounterMetricFamily, "station_graph_waves", "Decode waves replayed from CUDA graphs.",
+                     s.graph_waves)
+        yield family(CounterMetricFamily, "station_graph_captures", "CUDA graphs captured (decode wave shapes).",
+                     s.graph_captures)
         wire = dict(self._wire()) if self._wire is not None else {}
         yield family(CounterMetricFamily, "station_wire_bytes", "Message bytes on the wire, by direction.",
                      extra={d: wire.get(d, 0) for d in sorted({"in", "out", *wire})}, label="direction")

@@ -47,6 +47,8 @@ class StationStats:
     load_seconds: float = 0.0  # the weights' load and set-up, and the KV pool's
     packed_mapped: int = 0  # layers (and head) whose packed weights were mapped from the packed cache
     packed_at_load: int = 0  # ... and those packed at the load
+    graph_waves: int = 0  # decode waves replayed from CUDA graphs (station.decode_graphs; 0 off CUDA)
+    graph_captures: int = 0  # CUDA graphs captured (one per whole-wave shape, one per piece of a row count)
 
 
 class Station:
@@ -284,5 +286,6 @@ class Station:
         """Counters and KV occupancy."""
         return StationStats(self.spec.layers, self._forwards, self._rows, self._seconds["prefill"],
                             self._seconds["decode"], self.kv.stats(), self.load_seconds,
-                            len(self.packed_load.mapped), len(self.packed_load.packed))
+                            len(self.packed_load.mapped), len(self.packed_load.packed),
+                            *((self.graphs.replays, self.graphs.captures) if self.graphs is not None else ()))
 

@@ -78,3 +78,17 @@ def test_cuda_graphs_is_a_checked_switch():
         StationSpec(layers=(0, 1), cuda_graphs="no")
     with pytest.raises(ValueError, match="max_graphs"):
         DecodeGraphs(None, None, 0, torch.device("cpu"), max_graphs=0)
+
+
+def test_graph_counters_reach_the_station_metrics(tiny_llama):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from station.metrics import StationMetrics
+
+    st = _station(tiny_llama, True)
+    st.graphs.replays, st.graphs.captures = 7, 3  # what a CUDA station's graphs would have counted
+    assert (st.stats().graph_waves, st.stats().graph_captures) == (7, 3)
+    text = StationMetrics(st).render().decode()
+    samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples["wavemesh_station_graph_waves_total"] == 7
+    assert samples["wavemesh_station_graph_captures_total"] == 3

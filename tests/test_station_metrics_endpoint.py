@@ -57,6 +57,7 @@ def test_station_actor_serves_metrics_with_wire_bytes(tiny_llama, actors):
     packed = {src: before[("wavemesh_station_packed_weights", tuple(sorted(lab0 + (("source", src),))))]
               for src in ("cache", "load")}
     assert packed == {"cache": 0, "load": len(first.station.packed_load.packed)}  # safetensors: no packed cache
+    assert before[("wavemesh_station_graph_waves_total", lab0)] == 0  # a CPU station replays no CUDA graphs
     engine = Engine(links, cfg, SchedulerConfig(max_seqs=4, max_wave_tokens=64))
     try:
         out = engine.submit([1, 5, 9, 13], SamplingParams(max_tokens=5, ignore_eos=True)).result(timeout=60)[0]
