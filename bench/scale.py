@@ -118,7 +118,8 @@ def _real_chain(args, model_dir, n: int, claims: str) -> list[dict]:
         for k in args.real_k:
             prompts = [[1] + [(97 * i + 13 * j) % (cfg.vocab_size - 3) + 3 for j in range(31)] for i in range(k)]
             got = {path: run_point(addresses, cfg, path, prompts, args.tokens, k, args.decode_steps,
-                                   tuple(proc.pid for proc in procs), args.real_wave_tokens)
+                                   tuple(proc.pid for proc in procs),
+                                   args.real_wave_tokens or max(k, 64 * max(args.real_stations)))
                    for path in args.paths}
             digests = {path: hashlib.sha256(json.dumps(r.pop("tokens")).encode()).hexdigest()[:12]
                        for path, r in got.items()}
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--real-balance", choices=("layers", "memory", "compute"), default="layers",
                    help="how the real stations split the layers: evenly, or as stations.balance does")
     p.add_argument("--real-wave-tokens", type=int, default=0,
-                   help="scheduler.max_wave_tokens of the real points (0: max(K, 64 per station))")
+                   help="scheduler.max_wave_tokens of the real points (0: max(K, 64 per station of the largest "
+                        "chain), the same for every chain, so one station is not given smaller waves than several)")
     p.add_argument("--relay", choices=("link", "grpc"), default="link",
                    help="how the direct path's hops travel: relay links (station/relay_link.py) or gRPC calls")
     p.add_argument("--rounds", type=int, default=1,
