@@ -284,8 +284,10 @@ class Station:
 
     def stats(self) -> StationStats:
         """Counters and KV occupancy."""
+        graphs = self.graphs
         return StationStats(self.spec.layers, self._forwards, self._rows, self._seconds["prefill"],
                             self._seconds["decode"], self.kv.stats(), self.load_seconds,
                             len(self.packed_load.mapped), len(self.packed_load.packed),
-                            *((self.graphs.replays, self.graphs.captures) if self.graphs is not None else ()))
+                            graph_waves=graphs.replays if graphs is not None else 0,
+                            graph_captures=graphs.captures if graphs is not None else 0)
 
