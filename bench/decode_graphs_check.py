@@ -31,7 +31,7 @@ def _stations(model: str, device: str, dtype: str) -> tuple[Station, Station]:
     spec = dict(layers=(0, layers), device=device, dtype=dtype, kv_bytes=2**30, linear_backend="aten")
     eager, graphs = Station(model, StationSpec(**spec, cuda_graphs=False)), Station(model, StationSpec(**spec))
     if graphs.graphs is None:  # the CPU: the recorded input tensors, run eagerly (no capture)
-        graphs.graphs = DecodeGraphs(graphs.model, graphs.kv, 0, graphs.device, capture=False)
+        graphs.graphs = DecodeGraphs(graphs.model, graphs.kv, graphs.device, capture=False)
     return eager, graphs
 
 

@@ -67,14 +67,14 @@ class _Pieces:
 class DecodeGraphs:
     """A station's recorded decode waves (whole by (rows, blocks), in pieces by rows): `run` replays a wave."""
 
-    def __init__(self, model: LlamaRange, kv: KVPool, first_layer: int, device: torch.device, max_graphs: int = 64,
+    def __init__(self, model: LlamaRange, kv: KVPool, device: torch.device, max_graphs: int = 64,
                  capture: bool | None = None) -> None:
         """`model`: the station's layers; `max_graphs`: shapes kept (the least recently replayed dropped beyond
         it); `capture`: record CUDA graphs (default: on a CUDA device; False runs the same input tensors and pieces
         eagerly, which is how the CPU tests check this class's plumbing)."""
         if max_graphs < 1:
             raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
-        self.model, self.kv, self.first_layer, self.device = model, kv, first_layer, device
+        self.model, self.kv, self.device = model, kv, device
         self._layers = list(model.model.layers.values())  # DecoderLayer each, in order
         self.capture = device.type == "cuda" if capture is None else capture
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -129,7 +129,7 @@ class DecodeGraphs:
         _, tables, masked = ctx.decode_groups[0]
         rec = _Whole(hidden.clone(), positions.clone(), ctx.blocks.clone(), ctx.offsets.clone(), tables.clone(),
                      masked.clone(), ctx)
-        rec.ctx = WaveAttention.one_group(self.kv, self.first_layer, rec.blocks, rec.offsets, rec.tables, rec.masked)
+        rec.ctx = WaveAttention.one_group(self.kv, self.model.start, rec.blocks, rec.offsets, rec.tables, rec.masked)
         out = self._warm(lambda: self.model(rec.hidden, rec.positions, rec.ctx)).clone()
         if self.capture:
             rec.graph = self._graph(lambda: setattr(rec, "out", self.model(rec.hidden, rec.positions, rec.ctx)))

@@ -84,7 +84,7 @@ class Station:
         self.fused = fuse_layers(self.model)  # every layer in one native call where all run the packed kernels
         self.kv = KVPool(self.config, spec, block_tokens)
         # decode waves replayed as CUDA graphs (station.decode_graphs) on a CUDA device, unless the spec says eager
-        self.graphs = (DecodeGraphs(self.model, self.kv, spec.start, self.device)
+        self.graphs = (DecodeGraphs(self.model, self.kv, self.device)
                        if self.device.type == "cuda" and spec.cuda_graphs else None)
         self.load_seconds = time.perf_counter() - started
 

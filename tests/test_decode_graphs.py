@@ -24,7 +24,7 @@ def _station(model_dir, graphs: bool, max_graphs: int = 2) -> Station:
     st = Station(model_dir, StationSpec(layers=(0, layers), dtype="bfloat16", linear_backend="aten"))
     assert st.graphs is None  # a CPU station runs eagerly
     if graphs:
-        st.graphs = DecodeGraphs(st.model, st.kv, 0, st.device, max_graphs=max_graphs, capture=False)
+        st.graphs = DecodeGraphs(st.model, st.kv, st.device, max_graphs=max_graphs, capture=False)
     return st
 
 
@@ -77,7 +77,7 @@ def test_cuda_graphs_is_a_checked_switch():
     with pytest.raises(ConfigError, match="cuda_graphs"):
         StationSpec(layers=(0, 1), cuda_graphs="no")
     with pytest.raises(ValueError, match="max_graphs"):
-        DecodeGraphs(None, None, 0, torch.device("cpu"), max_graphs=0)
+        DecodeGraphs(None, None, torch.device("cpu"), max_graphs=0)
 
 
 def test_graph_counters_reach_the_station_metrics(tiny_llama):
