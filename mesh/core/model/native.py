@@ -26,11 +26,19 @@ HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))  # include
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
+@cache
+def _cpuinfo() -> tuple[str, ...] | None:
+    """/proc/cpuinfo's lines, read once per process (None where it cannot be read)."""
+    try:
+        return tuple(Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return None
+
+
 def _cpuinfo_lines(*prefixes: str) -> list[str] | None:
     """The first /proc/cpuinfo line starting with each prefix ("" where none does), or None where it cannot be read."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
+    lines = _cpuinfo()
+    if lines is None:
         return None
     return [next((line for line in lines if line.startswith(p)), "") for p in prefixes]
 
