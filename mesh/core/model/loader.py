@@ -79,8 +79,9 @@ def load_range(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, dt
     else:
         state, loaded = _read_safetensors(model_dir, cfg, wanted, torch_dtype, device)
     model.load_state_dict(state, strict=True, assign=True)
+    modules = dict(model.named_modules()) if quant else {}  # one walk: get_submodule per weight was ~2 ms a load
     for name, rows in quant.items():
-        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        owner = modules[name.rsplit(".", 1)[0]]
         if isinstance(owner, nn.Embedding):
             model.model.embed_tokens = QuantEmbedding(rows)
         else:
