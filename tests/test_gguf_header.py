@@ -107,6 +107,14 @@ def test_a_quantized_row_that_is_not_whole_blocks_is_refused_on_open(tmp_path):
         GGUFCheckpoint(_bytes(tmp_path / "rows.gguf", bytes(data)))
 
 
+def test_a_tensor_of_more_than_four_dimensions_is_refused_on_open(tmp_path):
+    data = bytearray(_write(tmp_path / "whole.gguf").read_bytes())
+    n_dims = data.index(b"t.Q8_0") + len(b"t.Q8_0")  # after the name: n_dims (u32)
+    data[n_dims:n_dims + 4] = (9).to_bytes(4, "little")
+    with pytest.raises(GGUFError, match=r"dims\.gguf: .*tensor t\.Q8_0: 9 dimensions \(GGUF tensors have at most 4\)"):
+        GGUFCheckpoint(_bytes(tmp_path / "dims.gguf", bytes(data)))
+
+
 def _bytes(path, data: bytes):
     path.write_bytes(data)
     return path

@@ -29,12 +29,15 @@ from gguf.quants import quant_shape_to_byte_shape
 from mesh.core.model.native import load_native
 
 MAGIC, VERSIONS, DEFAULT_ALIGNMENT = b"GGUF", (2, 3), 32
+MAX_DIMS = 4  # dimensions a GGUF tensor may have (ggml's own limit)
 _SCALARS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
             GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
             GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
             GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d"}
 _NUMPY = {t: np.dtype(fmt.replace("?", "b1")) for t, fmt in _SCALARS.items()}
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_TYPE_OFFSET = struct.Struct("<IQ")  # a directory entry's tensor type and data offset, after its dimensions
+_QTYPES = {int(q): q for q in GGMLQuantizationType}  # type id -> type: a dict read, not an enum call per tensor
 
 
 class HeaderError(ValueError):
@@ -185,32 +188,43 @@ class GGUFHeader:
     def _tensor_infos(self, count: int, pos: int, alignment: int) -> tuple[list[TensorInfo], int]:
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise HeaderError(f"general.alignment: {alignment!r} is not a power of two")
-        rows = []
+        buf, size, u32, u64 = self._buf, len(self._buf), _U32.unpack_from, _U64.unpack_from
+        rows = []  # one pass over the directory, locals only: a large model lists thousands of tensors
         for _ in range(count):
-            name, pos = self._string(pos)
-            n_dims = _U32.unpack_from(self._buf, pos)[0]
-            self._need(n_dims * 8 + 12, pos + 4, f"tensor {name}")
-            dims = struct.unpack_from(f"<{n_dims}Q", self._buf, pos + 4)
-            pos += 4 + 8 * n_dims
-            rows.append((name, dims, _U32.unpack_from(self._buf, pos)[0], _U64.unpack_from(self._buf, pos + 4)[0]))
-            pos += 12
+            end = pos + 8 + u64(buf, pos)[0]
+            if end + 4 > size:
+                self._need(end + 4 - pos - 8, pos + 8, "a tensor name and its dimension count")
+            name = str(buf[pos + 8:end], "utf-8")
+            n_dims = u32(buf, end)[0]
+            if n_dims > MAX_DIMS:
+                raise HeaderError(f"tensor {name}: {n_dims} dimensions (GGUF tensors have at most {MAX_DIMS})")
+            self._need(n_dims * 8 + 12, end + 4, f"tensor {name}")
+            dims = _dims_struct(n_dims).unpack_from(buf, end + 4)  # Python ints
+            pos = end + 4 + 8 * n_dims
+            rows.append((name, dims, *_TYPE_OFFSET.unpack_from(buf, pos)))
+            pos += _TYPE_OFFSET.size
         start = -(-pos // alignment) * alignment
         tensors, seen = [], set()
         for name, dims, raw_type, offset in rows:
             if name in seen:
                 raise HeaderError(f"tensor {name} is listed twice")
             seen.add(name)
-            try:
-                qtype = GGMLQuantizationType(raw_type)
-            except ValueError:
-                raise HeaderError(f"tensor {name}: unknown tensor type id {raw_type}") from None
-            block, size = GGML_QUANT_SIZES[qtype]
+            qtype = _QTYPES.get(raw_type)
+            if qtype is None:
+                raise HeaderError(f"tensor {name}: unknown tensor type id {raw_type}")
+            block, block_bytes = GGML_QUANT_SIZES[qtype]
             if dims and dims[0] % block:
                 raise HeaderError(f"tensor {name}: rows of {dims[0]} values are not whole {qtype.name} blocks "
                                   f"of {block}")
             n = math.prod(dims)  # Python integers: no overflow, and no numpy call per tensor
-            tensors.append(TensorInfo(name, qtype, tuple(int(d) for d in dims), start + offset, n * size // block))
+            tensors.append(TensorInfo(name, qtype, dims, start + offset, n * block_bytes // block))
         return tensors, pos
+
+
+@functools.cache
+def _dims_struct(n_dims: int) -> struct.Struct:
+    """The struct of a tensor's `n_dims` u64 dimensions."""
+    return struct.Struct(f"<{n_dims}Q")
 
 
 @functools.lru_cache(maxsize=8)
