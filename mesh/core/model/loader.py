@@ -75,10 +75,14 @@ def load_range(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, dt
     quant: dict[str, QuantRows] = {}
     if is_gguf(model_dir):
         keep = keep_quantized and torch_dtype == torch.float32 and device == "cpu"
-        state, loaded = _read_gguf(model_dir, cfg, wanted, torch_dtype, device, quant if keep else None)
+        state, read = _read_gguf(model_dir, cfg, wanted, torch_dtype, device, quant if keep else None)
     else:
-        state, loaded = _read_safetensors(model_dir, cfg, wanted, torch_dtype, device)
-    model.load_state_dict(state, strict=True, assign=True)
+        state, read = _read_safetensors(model_dir, cfg, wanted, torch_dtype, device)
+    result = model.load_state_dict(state, strict=not quant, assign=True)  # weights kept quantized stay on meta
+    if quant and (result.unexpected_keys or set(result.missing_keys) != set(quant)):
+        raise CheckpointError(f"{model_dir}: the tensors read do not cover the layers' parameters "
+                              f"(missing {sorted(set(result.missing_keys) - set(quant))[:4]}, "
+                              f"unexpected {result.unexpected_keys[:4]})")
     modules = dict(model.named_modules()) if quant else {}  # one walk: get_submodule per weight was ~2 ms a load
     for name, rows in quant.items():
         owner = modules[name.rsplit(".", 1)[0]]
@@ -88,12 +92,13 @@ def load_range(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, dt
             owner.quant_rows = (rows,)
     model.inv_freq = model.inv_freq.to(device)
     model.eval().requires_grad_(False)
-    return model, LoadReport(tuple(sorted(loaded)), sum(t.numel() * t.element_size() for t in loaded.values()))
+    return model, LoadReport(tuple(sorted(read)), sum(read.values()))
 
 
 def _read_safetensors(model_dir: str | Path, cfg: ModelConfig, wanted: dict[str, tuple[int, ...]],
-                      torch_dtype: torch.dtype, device: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The wanted tensors (by parameter name) and the checkpoint tensors read (by source name)."""
+                      torch_dtype: torch.dtype, device: str) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """The wanted tensors (by parameter name) and the bytes of each checkpoint tensor read, once cast (by source
+    name)."""
     files = checkpoint_index(model_dir)
     sources = {name: _source_name(name, files, cfg) for name in wanted}
     by_file: dict[Path, list[str]] = {}
@@ -114,18 +119,19 @@ def _read_safetensors(model_dir: str | Path, cfg: ModelConfig, wanted: dict[str,
                 if not t.is_floating_point():
                     raise CheckpointError(f"{path.name}: tensor {sources[name]} has non-float dtype {t.dtype}")
                 state[name] = loaded[sources[name]] = t.to(device=device, dtype=torch_dtype)
-    return state, loaded
+    return state, {src: t.numel() * t.element_size() for src, t in loaded.items()}
 
 
 def _read_gguf(path: str | Path, cfg: ModelConfig, wanted: dict[str, tuple[int, ...]], torch_dtype: torch.dtype,
                device: str, quant: dict[str, QuantRows] | None
-               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+               ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """As _read_safetensors, from a GGUF file: only the wanted tensors are dequantized (mesh.core.model.gguf_file).
-    With `quant`, the matrices quant_linear holds are not: their blocks go into `quant` by parameter name (the state
-    keeps the meta parameter) and the read tensors hold their bytes."""
+    With `quant`, the matrices quant_linear holds are not: their blocks go into `quant` by parameter name (not into
+    the state: their parameters stay on meta) and count with the bytes they hold in the file."""
     ckpt = GGUFCheckpoint(path)  # refuses an unsupported architecture or tensor type before any read
     state: dict[str, torch.Tensor] = {}
     loaded: dict[str, torch.Tensor] = {}
+    read: dict[str, int] = {}
     for name, shape in wanted.items():
         src = _source_name(name, ckpt.tensors, cfg)
         if src not in loaded and ckpt.shape(src) != shape:
@@ -134,13 +140,13 @@ def _read_gguf(path: str | Path, cfg: ModelConfig, wanted: dict[str, tuple[int, 
         qtype, raw = ckpt.blocks(src)
         if quant is not None and len(shape) == 2 and qtype in KERNEL_CODES:
             quant[name] = QuantRows(f"{ckpt.path.name}: tensor {src}", qtype, raw, shape[1], ckpt.row_order(src))
-            loaded[src] = torch.empty(raw.nbytes, dtype=torch.uint8, device="meta")  # its size: nothing read
-            state[name] = torch.empty(shape, device="meta")
+            read[src] = raw.nbytes  # nothing read yet: the blocks stay memory-mapped
             continue
         if src not in loaded:
             loaded[src] = torch.from_numpy(ckpt.read(src)).to(device=device, dtype=torch_dtype)  # HF layout
+            read[src] = loaded[src].numel() * loaded[src].element_size()
         state[name] = loaded[src]
-    return state, loaded
+    return state, read
 
 
 def _source_name(name: str, files: Mapping[str, object], cfg: ModelConfig) -> str:
