@@ -158,8 +158,12 @@ def use_packed_linears(model: nn.Module, cache: PackedCache | None = None) -> Pa
     With `cache` (a GGUF's mesh.core.model.packed_cache), a layer whose packed weights are cached is mapped from
     there instead, and the layers packed here are stored on a thread (packed_cache.wait_for_stores waits for it).
     Answers which groups were mapped and which packed."""
-    jobs: list[tuple[str, Linear, WeightParts]] = []  # (cache group, Linear, its parts)
-    for name, module in list(model.named_modules()):
+    jobs: list[tuple[str, Linear, WeightParts]] = []  # (cache group, Linear, its parts), in module order
+    for name, module in list(model.named_modules()):  # one walk; a module's parts come after it, fused by then
+        if isinstance(module, Linear):
+            if module.kernel is None and (module.weight.device.type != "meta" or module.quant_rows is not None):
+                jobs.append((_cache_group(name), module, _weight_parts([module])))
+            continue
         for kind, names, attr in FUSED_PROJECTIONS:
             if not isinstance(module, kind):
                 continue
@@ -172,10 +176,6 @@ def use_packed_linears(model: nn.Module, cache: PackedCache | None = None) -> Pa
             jobs.append((_cache_group(name), fused, parts))
             for linear in linears:
                 _drop_weights(linear)
-    for name, module in model.named_modules():
-        if isinstance(module, Linear) and module.kernel is None and (
-                module.weight.device.type != "meta" or module.quant_rows is not None):
-            jobs.append((_cache_group(name), module, _weight_parts([module])))
     groups: dict[str, list[int]] = {}  # the jobs of each cache group, in order
     for i, (group, _, _) in enumerate(jobs):
         groups.setdefault(group, []).append(i)
