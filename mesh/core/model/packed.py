@@ -149,6 +149,47 @@ class PackedLoad:
     packed: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _PackJob:
+    """One packed weight to make: the rows of `linears` (one Linear, or the parts the fused Linear
+    `owner`.`fused_attr` replaces) and the cache group it belongs to."""
+
+    group: str
+    linears: tuple[Linear, ...]
+    parts: WeightParts
+    owner: nn.Module | None = None
+    fused_attr: str = ""
+
+
+def _pack_jobs(model: nn.Module) -> list[_PackJob]:
+    """The packed weights `model` needs, in module order, nothing changed yet: q/k/v and gate/up as one weight each
+    where their rows can share one, then every other Linear holding a weight (or blocks the loader kept)."""
+    jobs: list[_PackJob] = []
+    fused: set[int] = set()  # ids of the Linears a fused weight takes over
+    for name, module in model.named_modules():  # a module comes before its parts
+        if isinstance(module, Linear):
+            if id(module) not in fused and module.kernel is None and (
+                    module.weight.device.type != "meta" or module.quant_rows is not None):
+                jobs.append(_PackJob(_cache_group(name), (module,), _weight_parts([module])))
+            continue
+        for kind, names, attr in FUSED_PROJECTIONS:
+            if isinstance(module, kind):
+                linears = tuple(getattr(module, part) for part in names)
+                if (parts := _weight_parts(linears)) is not None:
+                    jobs.append(_PackJob(_cache_group(name), linears, parts, module, attr))
+                    fused.update(map(id, linears))
+    return jobs
+
+
+def _fused(job: _PackJob) -> Linear:
+    """The fused Linear of `job`, set on its owner in place of the parts (which keep only their shapes)."""
+    linear = _fused_linear(job.linears)
+    setattr(job.owner, job.fused_attr, linear)
+    for part in job.linears:
+        _drop_weights(part)
+    return linear
+
+
 def use_packed_linears(model: nn.Module, cache: PackedCache | None = None) -> PackedLoad:
     """Point every Linear of `model` at packed_linear (or quant_linear, for weights the loader kept quantized), its
     weight replaced by the packed copy in one WeightArena (a weight shared with the embedding is copied: the
@@ -158,42 +199,29 @@ def use_packed_linears(model: nn.Module, cache: PackedCache | None = None) -> Pa
     With `cache` (a GGUF's mesh.core.model.packed_cache), a layer whose packed weights are cached is mapped from
     there instead, and the layers packed here are stored on a thread (packed_cache.wait_for_stores waits for it).
     Answers which groups were mapped and which packed."""
-    jobs: list[tuple[str, Linear, WeightParts]] = []  # (cache group, Linear, its parts), in module order
-    for name, module in list(model.named_modules()):  # one walk; a module's parts come after it, fused by then
-        if isinstance(module, Linear):
-            if module.kernel is None and (module.weight.device.type != "meta" or module.quant_rows is not None):
-                jobs.append((_cache_group(name), module, _weight_parts([module])))
-            continue
-        for kind, names, attr in FUSED_PROJECTIONS:
-            if not isinstance(module, kind):
-                continue
-            linears = [getattr(module, part) for part in names]
-            parts = _weight_parts(linears)
-            if parts is None:
-                continue
-            fused = _fused_linear(linears)
-            setattr(module, attr, fused)
-            jobs.append((_cache_group(name), fused, parts))
-            for linear in linears:
-                _drop_weights(linear)
+    jobs = _pack_jobs(model)
     groups: dict[str, list[int]] = {}  # the jobs of each cache group, in order
-    for i, (group, _, _) in enumerate(jobs):
-        groups.setdefault(group, []).append(i)
-    shapes = [_packed_shape(parts) for _, _, parts in jobs]
+    for i, job in enumerate(jobs):
+        groups.setdefault(job.group, []).append(i)
+    shapes = [_packed_shape(job.parts) for job in jobs]
     weights: list[torch.Tensor | None] = [None] * len(jobs)
     for group, idx in groups.items():
         cached = cache.load(group, [shapes[i] for i in idx]) if cache is not None else None
         for i, w in zip(idx, cached or ()):
             weights[i] = w
-    to_pack = {group: idx for group, idx in groups.items() if weights[idx[0]] is None}
-    arena = WeightArena(sum(aligned(tensor_bytes(*shapes[i])) for idx in to_pack.values() for i in idx))
+    packed = [group for group, idx in groups.items() if weights[idx[0]] is None]  # the groups not in the cache
+    to_pack = [i for group in packed for i in groups[group]]
+    # the arena first: its pages fault in on another thread while the modules are rewired, then filled
+    arena = WeightArena(sum(aligned(tensor_bytes(*shapes[i])) for i in to_pack))
     try:
-        for i in (i for idx in to_pack.values() for i in idx):
-            weights[i] = _fill(jobs[i][2], arena.take(*shapes[i]))
+        for i in to_pack:
+            weights[i] = arena.take(*shapes[i])
+        for job, weight in zip(jobs, weights):
+            _point(_fused(job) if job.owner is not None else job.linears[0], job.parts, weight)
+        for i in to_pack:
+            _fill(jobs[i].parts, weights[i])
     finally:
         arena.close()
-    for (_, linear, parts), weight in zip(jobs, weights):
-        _point(linear, parts, weight)
-    if cache is not None and to_pack:
-        cache.store_in_background({group: [weights[i] for i in idx] for group, idx in to_pack.items()})
-    return PackedLoad(tuple(g for g in groups if g not in to_pack), tuple(to_pack))
+    if cache is not None and packed:
+        cache.store_in_background({group: [weights[i] for i in groups[group]] for group in packed})
+    return PackedLoad(tuple(g for g in groups if g not in packed), tuple(packed))
