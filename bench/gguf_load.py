@@ -24,7 +24,8 @@ gguf_cached_over_safetensors_fresh), the GGUF station load where an earlier stat
 packed weights in the packed cache (mesh.core.model.packed_cache; a temporary one here), which it maps instead of
 packing them. gguf_fresh_s is the load without a cache, as a station's first load of those layers on a node is.
 Ratios are of the unrounded medians (seconds print to 0.1 ms); `..._by_round` gives the lowest and highest of the
-rounds' own ratios (each round's GGUF load over the safetensors load of the same round).
+rounds' own ratios (each round's GGUF load over the safetensors load of the same round) and `..._paired` their median
+(a round's two loads run back to back, so a slow spell of the machine tends to hit both).
 
 `--repack-shape ROWSxK` instead times the Q4_1 repack alone on one random weight of that shape, pushed out of the
 caches before each of 5 runs (a large model's weights are read from memory once): GB/s of GGUF blocks, the best run.
@@ -112,6 +113,7 @@ def _fresh_loads(n: int, gguf: Path, hf_dir: Path, layers: str, cache_dir: str) 
         out[f"{kind}_over_safetensors_fresh"] = round(med[kind] / med["safetensors"], 2)
         pairs = sorted(g / s for g, s in zip(times[kind], times["safetensors"]))  # each round's own ratio
         out[f"{kind}_over_safetensors_fresh_by_round"] = [round(pairs[0], 2), round(pairs[-1], 2)]
+        out[f"{kind}_over_safetensors_fresh_paired"] = round(statistics.median(pairs), 2)  # rounds share a state
     return out
 
 
