@@ -26,6 +26,7 @@ from mesh.core.params import SamplingParams
 from orchestrator.pipeline import StationDown, StationLink
 from orchestrator.relay import make_pipeline
 from orchestrator.route import RouteMachine, route_limits
+from orchestrator.route_recovery import RouteRecovery
 from orchestrator.route_switch import CatchUpFailed, RouteSwitching
 from orchestrator.scheduler_types import EngineStats
 from orchestrator.scheduler import AdmissionError, Scheduler, WavePlan
@@ -44,10 +45,10 @@ class _Live:
     open: set[int]
 
 
-class Engine(RouteSwitching):
+class Engine(RouteSwitching, RouteRecovery):
     """Continuous batching over a chain of stations."""
 
-    _wake = _WAKE  # what the route switch puts in the wave loop's inbox to wake it
+    _wake = _WAKE  # what a route switch or recovery puts in the wave loop's inbox to wake it
 
     def __init__(self, links: list[StationLink], model: ModelConfig, config: SchedulerConfig,
                  tokenizer=None, rate_window_s: float = 10.0,
@@ -174,37 +175,6 @@ class Engine(RouteSwitching):
         """Wait until no wave is in flight (None: no limit); False on timeout."""
         with self._lock:
             return self._lock.wait_for(lambda: self._in_flight == 0, timeout)
-
-    def recover_route(self) -> bool:
-        """A station failed its health check: rebuild the route now (as after a failed call), when recovery is on.
-        True when this call began a recovery (False: recovery is off, one already runs, or the engine closed)."""
-        if self._recover is not None and self.route.begin_recovery():  # not when closed or already recovering
-            threading.Thread(target=self._recovery, name="route-recovery", daemon=True).start()
-            return True
-        return False
-
-    def _recovery(self) -> None:
-        t0 = time.monotonic()
-        with self._lock:
-            self._lock.wait_for(lambda: self._in_flight == 0 or self.route.closed)
-        while True:
-            with self._lock:
-                if self.route.closed:
-                    break
-                links = list(self.pipeline.links)
-            try:
-                self._swap(self._recover(links))
-                break
-            except Exception as e:  # noqa: BLE001 - the station is not back: end what needed it, keep trying
-                with self._lock:
-                    if self.route.fail_recovery(f"{type(e).__name__}: {e}"):
-                        for seq_id in list(self._seq_owner):
-                            self._end(seq_id, "error", f"a station was lost and did not come back: {e}")
-                    self._lock.wait_for(lambda: self.route.closed, self._recover_retry_s)
-        with self._lock:
-            self.route.end_recovery()
-            self.recovery_seconds.append(time.monotonic() - t0)
-        self._inbox.put(_WAKE)
 
     def stop_admitting(self) -> None:
         """Drain: refuse new requests (503) from now on; those already admitted run to their end."""
