@@ -24,6 +24,7 @@ from orchestrator.scheduler_types import (REFUSAL_REASONS, AdmissionError, Commi
                                TokenEvent, WavePlan)
 from orchestrator.kv_ledger import KVBlockLedger
 from orchestrator.sequence import Request, Sequence, SequenceStatus, SequenceTable, WaitingQueue
+from orchestrator.scheduler_route import RouteMoves
 from orchestrator.wave_builder import WaveBuilder
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ __all__ = ["REFUSAL_REASONS", "AdmissionError", "CommitResult", "KVLimits", "Sch
            "TokenEvent", "WavePlan"]
 
 
-class Scheduler:
+class Scheduler(RouteMoves):
     """Plans ragged waves over live sequences and retires them from sampled tokens."""
 
     def __init__(self, config: SchedulerConfig, limits: KVLimits, eos_token_ids: tuple[int, ...]) -> None:
@@ -129,22 +130,6 @@ class Scheduler:
         self._waiting.push_front(seq)
         self._pending_releases.append(seq.seq_id)
 
-    def rebase(self, limits: KVLimits) -> tuple[int, ...]:
-        """Move to a new route with new KV limits (no wave may be in flight): every running sequence
-        goes back to the front of the queue, keeping its output, to be re-prefilled on the new route.
-        Returns the seq ids whose KV the old stations must release."""
-        if self._in_flight:
-            raise RuntimeError(f"rebase with {len(self._in_flight)} waves in flight")
-        for seq in reversed(list(self._seqs.running)):  # newest first, so the oldest ends at the front
-            self._requeue(seq)
-        self.limits = limits
-        self._ledger = self._new_ledger(limits)  # the cache is dropped: the new stations hold no KV
-        return self.take_releases()
-
-    def new_ledger(self, limits: KVLimits) -> KVBlockLedger:
-        """An empty ledger for a route with these limits (a catch-up fills it before `adopt`)."""
-        return self._new_ledger(limits)
-
     def new_wave_id(self) -> int:
         """A wave id no plan has used (catch-up waves draw from the same counter)."""
         self._next_wave_id += 1
@@ -153,33 +138,6 @@ class Scheduler:
     def running(self) -> list[Sequence]:
         """The running sequences, oldest first (read only)."""
         return self._seqs.running
-
-    def adopt(self, limits: KVLimits, ledger: KVBlockLedger, shadows: dict[int, Sequence],
-              no_room: set[int]) -> tuple[tuple[int, ...], dict[int, int]]:
-        """Move to a new route whose KV a catch-up built (no wave may be in flight): each running sequence takes
-        its shadow's block table and computed tokens (none if it has no shadow); those in `no_room` go back to
-        the queue to be re-prefilled there. A sequence whose shadow holds all its computed tokens (a KV copy) keeps
-        its history and replay as they were. Returns the seq ids whose KV the old stations must release, and per
-        moved sequence the tokens it has left to compute on the new route."""
-        if self._in_flight:
-            raise RuntimeError(f"adopt with {len(self._in_flight)} waves in flight")
-        for seq in reversed(list(self._seqs.running)):
-            if seq.seq_id in no_room:
-                self._requeue(seq)
-        released = [s.seq_id for s in self._seqs.running] + list(self.take_releases())
-        residual = {}
-        for seq in self._seqs.running:
-            shadow = shadows.get(seq.seq_id)
-            if shadow is not None and shadow.num_computed > seq.num_computed:
-                raise RuntimeError(f"seq {seq.seq_id}: its new-route KV is not a prefix of its old-route KV")
-            caught_up = shadow is not None and shadow.num_computed == seq.num_computed
-            seq.table, seq.block_names = (shadow.table, []) if shadow else ([], [])
-            if not caught_up:  # a residual chunk follows: exact only where any cut gives the same KV
-                seq.num_computed = shadow.num_computed if shadow else 0
-                seq.history, seq.replay = list(shadow.history) if shadow else [], []
-            residual[seq.seq_id] = seq.num_pending
-        self.limits, self._ledger = limits, ledger
-        return tuple(released), residual
 
     def take_releases(self) -> tuple[int, ...]:
         """Seq ids whose station KV must be released before the next wave is sent (preemptions in
