@@ -11,7 +11,7 @@ from pathlib import Path
 
 SCRIPT = textwrap.dedent("""
     import json, ray
-    from mesh.control.cluster import connect_ray
+    from mesh.control.ray_connect import connect_ray
     from mesh.control.mesh_config import RayConfig
     owned = connect_ray(RayConfig(), num_cpus=2)
     try:

@@ -21,7 +21,7 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402 - after importorskip
 
-from mesh.control.cluster import loopback_node  # noqa: E402
+from mesh.control.ray_connect import loopback_node  # noqa: E402
 from test_cli_up import _wait_healthy  # noqa: E402 - one way to wait for `mesh up`
 
 STATION_CLASS = "StationActor"
