@@ -60,33 +60,42 @@ INLINE vec in_register(vec v) {
  * (MID_ROWS_AHEAD; see rows_requesting). On an Intel Xeon with AVX-512 (the session 27 VMs; the build defines
  * WAVEMESH_PREFETCH_T0 where /proc/cpuinfo names GenuineIntel) every non-temporal request roughly halves the speed:
  * there 1-40 rows request each pass's weights 16 k ahead into L1, as more rows do everywhere, and a model's linears
- * take 0.44-0.56x the time at 1-32 rows (bench/out/linear_stream_intel_s27.txt). */
+ * take 0.44-0.56x the time at 1-32 rows (bench/out/linear_stream_intel_s27.txt). There, from SPREAD_ROWS rows (two
+ * row tiles or more that request), every row count requests the next block into L2 with its requests spread over
+ * every row tile's pass, so memory streams while the tiles after the first compute from L1: at one thread 16 rows
+ * take 0.80x the time, 32 rows 0.74x, 64 rows 0.79x, 512 rows 0.96x, bits equal (session 30,
+ * bench/out/linear_stream_s30_spread.txt); 3-8 rows (one requesting tile) 1.00-1.04x so, kept as they were
+ * (linear_stream_s30_experiments.txt). SPREAD_ROWS 0: never (the other builds, not measured so: unchanged code). */
 #if defined(__AVX512F__) && defined(WAVEMESH_PREFETCH_T0)
 #define FEW_ROWS_AHEAD 16
 #define MID_ROWS_PREFETCH 16
 #define MID_ROWS_AHEAD 0
 #define NEXT_BLOCK_HINT _MM_HINT_T1
+#define SPREAD_ROWS 9
 #elif defined(__AVX512F__)
 #define FEW_ROWS_AHEAD (-16)
 #define MID_ROWS_PREFETCH 0
 #define MID_ROWS_AHEAD 1
 #define NEXT_BLOCK_HINT _MM_HINT_NTA
+#define SPREAD_ROWS 0
 #else
 #define FEW_ROWS_AHEAD 0
 #define MID_ROWS_PREFETCH 0
 #define MID_ROWS_AHEAD 1
 #define NEXT_BLOCK_HINT _MM_HINT_T1
+#define SPREAD_ROWS 0
 #endif
 
 /* tb (constant, <= TILE_T) rows of x (x[i * ldx + k]) over kb weights w [kb][64], continuing the sums in acc [tb][64],
  * the columns cv vectors at a time (cv constant, dividing VECS). Weights streamed from memory are requested ahead of
  * use: with prefetch > 0 (constant), each pass's columns that many k ahead (< 0: -prefetch k ahead, as non-temporal);
  * with `ahead` (constant), the next kb x 64 weights after w's, line by line in memory order, spread evenly over this
- * call's passes, with NEXT_BLOCK_HINT (5-12% faster at 4-40 rows with AVX-512, 9-29% with AVX2, than each pass's
+ * call's passes (its k rows with k % parts == part: this tile is number `part` of `parts` sharing the requests), with
+ * NEXT_BLOCK_HINT (5-12% faster at 4-40 rows with AVX-512, 9-29% with AVX2, than each pass's
  * columns one block ahead, bench/out/linear_stream.txt; non-temporal rather than into L2 on the AVX-512 VM: a 4-row
  * decode wave 10% faster in a station, a 16-row one 3%). */
 INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int cv, const float *w, int64_t kb,
-                          const int prefetch, const int ahead, float *acc) {
+                          const int prefetch, const int ahead, int part, int parts, float *acc) {
     const int lines = TILE_N * (int)sizeof(float) / 64 * cv / VECS; /* cache lines of the next block per k of a pass */
     for (int c0 = 0; c0 < VECS; c0 += cv) {
         const float *wc = w + c0 * LANES;
@@ -95,6 +104,7 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
         vec a[TILE_T][VECS];
         for (int i = 0; i < tb; i++)
             for (int j = 0; j < cv; j++) a[i][j] = vload(ac + i * TILE_N + j * LANES);
+        int due = part; /* passes of k until this tile's next request of the next block */
         for (int64_t k = 0; k < kb; k++) {
             vec wv[VECS];
             for (int j = 0; j < cv; j++) {
@@ -110,9 +120,11 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
             if (prefetch < 0)
                 for (int j = 0; j < cv * LANES; j += 16)
                     _mm_prefetch((const char *)(wc + (k - prefetch) * TILE_N + j), _MM_HINT_NTA);
-            if (ahead)
+            if (ahead && due-- == 0) {
                 for (int l = 0; l < lines; l++)
                     _mm_prefetch((const char *)(next + (k * lines + l) * 16), NEXT_BLOCK_HINT);
+                due = parts - 1;
+            }
             for (int i = 0; i < tb; i++) {
                 vec xb = vbroadcast(x + i * ldx + k);
                 for (int j = 0; j < cv; j++) a[i][j] = vfma(xb, wv[j], a[i][j]);
@@ -132,18 +144,22 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
  * every pass of every row tile (the passes stride across the block, which defeats the hardware prefetcher: 3-6 rows
  * ~30% faster, 8-40 rows 7-26% faster than requesting each pass's columns one block ahead); more rows 16 k ahead (a
  * block computes long enough for the hardware prefetcher, and further ahead the rows' x push the block out of L1
- * before its use). */
+ * before its use). With `spread` (constant; SPREAD_ROWS), the row tiles of 3-6 rows share the next block's requests
+ * instead of each requesting all of it. */
 INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int prefetch,
-                            const int ahead, float *acc) {
+                            const int ahead, const int spread, float *acc) {
+    const int parts = spread ? (int)(T / TILE_T) + (T % TILE_T >= 3) : 1; /* the row tiles that request */
     int64_t t = 0;
     for (; t + TILE_T <= T; t += TILE_T)
-        register_tile(x + t * ldx, ldx, TILE_T, CVECS, w, kb, prefetch, ahead, acc + t * TILE_N);
+        register_tile(x + t * ldx, ldx, TILE_T, CVECS, w, kb, prefetch, ahead, spread ? (int)(t / TILE_T) : 0, parts,
+                      acc + t * TILE_N);
+    const int last = spread ? parts - 1 : 0;
     switch (T - t) {
-        case 5: register_tile(x + t * ldx, ldx, 5, CVECS, w, kb, prefetch, ahead, acc + t * TILE_N); break;
-        case 4: register_tile(x + t * ldx, ldx, 4, CVECS, w, kb, prefetch, ahead, acc + t * TILE_N); break;
-        case 3: register_tile(x + t * ldx, ldx, 3, CVECS, w, kb, prefetch, ahead, acc + t * TILE_N); break;
-        case 2: register_tile(x + t * ldx, ldx, 2, VECS, w, kb, prefetch, 0, acc + t * TILE_N); break;
-        case 1: register_tile(x + t * ldx, ldx, 1, VECS, w, kb, prefetch, 0, acc + t * TILE_N); break;
+        case 5: register_tile(x + t * ldx, ldx, 5, CVECS, w, kb, prefetch, ahead, last, parts, acc + t * TILE_N); break;
+        case 4: register_tile(x + t * ldx, ldx, 4, CVECS, w, kb, prefetch, ahead, last, parts, acc + t * TILE_N); break;
+        case 3: register_tile(x + t * ldx, ldx, 3, CVECS, w, kb, prefetch, ahead, last, parts, acc + t * TILE_N); break;
+        case 2: register_tile(x + t * ldx, ldx, 2, VECS, w, kb, prefetch, 0, 0, 1, acc + t * TILE_N); break;
+        case 1: register_tile(x + t * ldx, ldx, 1, VECS, w, kb, prefetch, 0, 0, 1, acc + t * TILE_N); break;
         default: break;
     }
 }
@@ -152,10 +168,11 @@ INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const float 
  * tile a register and a branch in its k loop: 20-35% slower, measured). kb is 64 where it matters (one block). */
 INLINE void all_rows_over_block(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int streamed,
                                 float *acc) {
-    if (!streamed) rows_requesting(x, ldx, T, w, kb, 0, 0, acc);
-    else if (T <= 2) rows_requesting(x, ldx, T, w, kb, FEW_ROWS_AHEAD, 0, acc);
-    else if (T <= 40) rows_requesting(x, ldx, T, w, kb, MID_ROWS_PREFETCH, MID_ROWS_AHEAD, acc);
-    else rows_requesting(x, ldx, T, w, kb, 16, 0, acc);
+    if (!streamed) rows_requesting(x, ldx, T, w, kb, 0, 0, 0, acc);
+    else if (T <= 2) rows_requesting(x, ldx, T, w, kb, FEW_ROWS_AHEAD, 0, 0, acc);
+    else if (SPREAD_ROWS && T >= SPREAD_ROWS) rows_requesting(x, ldx, T, w, kb, 0, 1, 1, acc);
+    else if (T <= 40) rows_requesting(x, ldx, T, w, kb, MID_ROWS_PREFETCH, MID_ROWS_AHEAD, 0, acc);
+    else rows_requesting(x, ldx, T, w, kb, 16, 0, 0, acc);
 }
 
 #endif
