@@ -140,12 +140,12 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
  * row count (measured on a model's worth of weights: `mesh bench linear_stream`, bench/out/linear_stream.txt): one or
  * two rows alone (a decode step) read the tile in one sequential pass, FEW_ROWS_AHEAD (with AVX-512 16 k ahead, 10-15%
  * faster on a Zen 5 VM than the hardware prefetcher alone, best at 8-32 k; as non-temporal a station's decode step
- * 4-6% faster again, its glue keeping its caches); 3-40 rows request the whole next block in memory order, spread over
- * every pass of every row tile (the passes stride across the block, which defeats the hardware prefetcher: 3-6 rows
- * ~30% faster, 8-40 rows 7-26% faster than requesting each pass's columns one block ahead); more rows 16 k ahead (a
- * block computes long enough for the hardware prefetcher, and further ahead the rows' x push the block out of L1
- * before its use). With `spread` (constant; SPREAD_ROWS), the row tiles of 3-6 rows share the next block's requests
- * instead of each requesting all of it. */
+ * 4-6% faster again, its glue keeping its caches); 3-40 rows have each row tile request the whole next block in
+ * memory order, spread over its passes (the passes stride across the block, which defeats the hardware prefetcher:
+ * 3-6 rows ~30% faster, 8-40 rows 7-26% faster than requesting each pass's columns one block ahead); more rows 16 k
+ * ahead (a block computes long enough for the hardware prefetcher, and further ahead the rows' x push the block out
+ * of L1 before its use). With `spread` (constant; SPREAD_ROWS), at any row count, the row tiles of 3-6 rows share
+ * the next block's requests instead, each requesting its share as it passes. */
 INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int prefetch,
                             const int ahead, const int spread, float *acc) {
     const int parts = spread ? (int)(T / TILE_T) + (T % TILE_T >= 3) : 1; /* the row tiles that request */
