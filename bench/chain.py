@@ -38,6 +38,7 @@ from metered_link import MeteredLink  # bench/ is on sys.path when a bench scrip
 
 from mesh.control.cli import resolve_model
 from mesh.core.hostinfo import cpu_seconds_by_role, describe_machine
+from mesh.core.long_lived import freeze_long_lived
 from mesh.control.mesh_config import MeshConfig, ModelSource
 from mesh.control.layer_plan import plan_layers, split_weights
 from mesh.core.config import SUPPORTED_DTYPES, ModelConfig, SchedulerConfig, StationSpec
@@ -182,6 +183,7 @@ def start_configs(args, model_dir: Path, cfg: ModelConfig, sched: SchedulerConfi
                 log(f"WARNING: config {name}: station {list(s.layers)} runs unpinned ({st.get('cpu_pinning_note')}); "
                     "its figures are not a core-quota measurement: run such configs in separate commands")
         up[name] = (cluster.engine, links, desc, cluster)
+    freeze_long_lived()  # as a serving process does once it is up (mesh/core/long_lived.py)
 
 
 def stop_configs(up: dict) -> None:

@@ -13,6 +13,7 @@ from scale_figures import percentile
 
 from mesh.core.config import ModelConfig, SchedulerConfig
 from mesh.core.hostinfo import process_cpu_seconds
+from mesh.core.long_lived import freeze_long_lived
 from mesh.core.params import SamplingParams
 from orchestrator.engine import Engine
 from orchestrator.remote import RemoteLink
@@ -82,6 +83,7 @@ def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k:
     sched = SchedulerConfig(max_seqs=len(prompts), max_wave_tokens=wave_tokens or max(len(prompts), 64 * len(addresses)),
                             max_queue=len(prompts), hidden_path=path, decode_steps=decode_steps)
     engine = Engine(links, model, sched)
+    freeze_long_lived()  # as a serving process does once it is up (mesh/core/long_lived.py)
     try:
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
         station_cpu0 = [process_cpu_seconds(pid) for pid in station_pids]

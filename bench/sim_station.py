@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-relay-link", action="store_true", help="relays as gRPC Forward calls (for comparison)")
     args = p.parse_args(argv)
     from mesh.core.compute import on_compute_thread
+    from mesh.core.long_lived import freeze_long_lived
     from station.server import ServerLimits, start_server
 
     a, b = (int(x) for x in args.layers.split("-"))
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                                             wave_s=args.wave_ms / 1000), (a, b))
     limits = ServerLimits(max_workers=args.workers, max_pending=args.workers // 2)
     server = start_server(station, limits=limits, token=args.token, relay_link=not args.no_relay_link)
+    freeze_long_lived()  # as a station actor does once it serves (station/actor.py)
     print(server.address, flush=True)
     sys.stdin.read()  # serve until the benchmark closes our stdin (or dies)
     server.stop(0)

@@ -10,7 +10,6 @@ and listens on a NEW port, so callers re-read `address()` after a failure.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from mesh.core.compute import on_compute_thread
 from mesh.core.config import StationSpec
+from mesh.core.long_lived import freeze_long_lived
 from mesh.core.transport import host_port
 from station.cores import claim_cores
 from station.metrics import StationMetrics
@@ -61,7 +61,7 @@ class StationActor:
         # Everything imported so far, and the model loaded below, lives as long as the process: frozen, the cyclic
         # collector stops walking it (~170k objects after torch and Ray), where each full collection during the
         # load took 90-130 ms of a station's start
-        gc.freeze()
+        freeze_long_lived(collect=False)
         # the station's num_cpus cores are its own: pinned where the node has them free (before any torch thread
         # starts, so the compute thread and its OpenMP team inherit them), and as many torch threads
         self._spec = spec
@@ -85,8 +85,7 @@ class StationActor:
                                    metrics_address=self._metrics_address, token=token, tls=tls,
                                    probe=probe)
         self._address = host_port(advertised, self.server.port)
-        gc.collect()  # the load's own garbage first (~1 ms with the imports frozen): a frozen cycle is never freed
-        gc.freeze()
+        freeze_long_lived()  # the load's own garbage collected first (~1 ms with the imports frozen)
 
     def _wire_bytes(self) -> dict[str, int]:
         """Forward request / reply bytes counted by the gRPC servicer (zero before it starts)."""

@@ -29,6 +29,7 @@ from mesh.control.cluster import Cluster
 from mesh.control.mesh_config import MeshConfig
 from mesh.control.targets import claim_targets, clean_stale_targets, release_targets
 from mesh.core.config import ConfigError, is_int
+from mesh.core.long_lived import freeze_long_lived
 from mesh.core.transport import host_port
 from mesh.core.model.tokenizer_files import chat_template, load_tokenizer
 from orchestrator.api import create_app
@@ -206,6 +207,7 @@ def serve(config: MeshConfig, model_dir: Path) -> int:
         server = DrainingServer(uvicorn.Config(app, host=config.api.host, port=config.api.port, log_level="warning",
                                                timeout_graceful_shutdown=config.cluster.shutdown_timeout_s),
                                 cluster.engine, config.cluster.shutdown_timeout_s)
+        freeze_long_lived()  # the start-up's objects out of every full collection while serving
         print(f"wavemesh serving {model_dir.name} on http://{host_port(config.api.host, config.api.port)} "
               f"with {len(cluster.specs)} station(s)", file=sys.stderr, flush=True)
         server.run()  # returns after SIGINT/SIGTERM and the drain (a failed start raises SystemExit(1))
