@@ -29,6 +29,7 @@ from mesh.core.compute import on_compute_thread
 from mesh.core.hostinfo import bandwidth_gb_s, describe_machine
 from mesh.core.config import DTYPE_BYTES, SUPPORTED_DTYPES, ModelConfig, StationSpec
 from mesh.core.model.gguf_file import transformers_source
+from mesh.core.model.quant_linear import QuantEmbedding
 from mesh.core.params import SamplingParams
 from mesh.core.wave import WaveEntry
 from station.kv import DEFAULT_BLOCK_TOKENS, blocks_for
@@ -177,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     return on_compute_thread(_main, argv)
 
 
+def _embedding_bytes(embedding: torch.nn.Module) -> int:
+    """The bytes the station holds for its token embedding: GGUF blocks where the loader kept them, else the table."""
+    if isinstance(embedding, QuantEmbedding):
+        return embedding.rows.raw.nbytes
+    return embedding.weight.numel() * embedding.weight.element_size()
+
+
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     if args.threads > 0:
@@ -211,7 +219,7 @@ def _main(argv: list[str] | None) -> int:
             print(format_profile(b, ms, top), file=sys.stderr)
     ours, hf = fig["ours_tok_s"], fig["hf_tok_s"]
     weight_bytes = station.load_report.weight_bytes
-    embed_bytes = cfg.vocab_size * cfg.hidden_size * DTYPE_BYTES[args.dtype]
+    embed_bytes = _embedding_bytes(station.model.model.embed_tokens)
     # what a decode step reads: every weight, but of an untied embedding table only its B rows (a tied one is the
     # head, read whole); until session 30 the roofline counted the whole table (the bench preset: 381.8 of 475.6 MiB)
     read_bytes = weight_bytes - (0 if cfg.tie_word_embeddings else embed_bytes)
