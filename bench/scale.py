@@ -156,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--real-wave-tokens", type=int, default=0,
                    help="scheduler.max_wave_tokens of the real points (0: max(K, 64 per station of the largest "
                         "chain), the same for every chain, so one station is not given smaller waves than several)")
-    p.add_argument("--relay", choices=("link", "grpc"), default="link",
-                   help="how the direct path's hops travel: relay links (station/relay_link.py) or gRPC calls")
+    p.add_argument("--relay", choices=("link", "tcp", "grpc"), default="link",
+                   help="how the direct path's hops travel: relay links (station/relay_link.py) with rows through "
+                        "shared memory where stations share a host (station/link_shm.py), relay links by TCP only, "
+                        "or gRPC calls")
     p.add_argument("--rounds", type=int, default=1,
                    help="SIMULATED sweeps, one after another; each point against its own round's P=1, the median kept")
     p.add_argument("--skip-sim", action="store_true")

@@ -39,8 +39,9 @@ class TimedLink(RemoteLink):
 
 
 def relay_flags(args: argparse.Namespace) -> list[str]:
-    """The station processes' relay flags: direct hops over relay links (the default) or as gRPC calls."""
-    return [] if args.relay == "link" else ["--no-relay-link"]
+    """The station processes' relay flags: direct hops over relay links, their rows through shared memory on one
+    host (the default), over relay links by TCP only, or as gRPC calls."""
+    return {"link": [], "tcp": ["--no-relay-shm"], "grpc": ["--no-relay-link"]}[args.relay]
 
 
 def start_stations(ranges, extra: list[str]) -> tuple[list[subprocess.Popen], list[str]]:

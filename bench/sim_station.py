@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a real station claims and pins this many whole cores among the claims in --claim-dir (0: none)")
     p.add_argument("--claim-dir", help="the core-claim folder the stations of one run share")
     p.add_argument("--no-relay-link", action="store_true", help="relays as gRPC Forward calls (for comparison)")
+    p.add_argument("--no-relay-shm", action="store_true",
+                   help="relay-link rows by TCP even where stations share a host (for comparison)")
     args = p.parse_args(argv)
     from mesh.core.compute import on_compute_thread
     from mesh.core.long_lived import freeze_long_lived
@@ -170,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         station = SimulatedStation(SimModel(num_layers=args.num_layers, hidden_size=args.hidden,
                                             wave_s=args.wave_ms / 1000), (a, b))
     limits = ServerLimits(max_workers=args.workers, max_pending=args.workers // 2)
-    server = start_server(station, limits=limits, token=args.token, relay_link=not args.no_relay_link)
+    server = start_server(station, limits=limits, token=args.token, relay_link=not args.no_relay_link,
+                          relay_shm=not args.no_relay_shm)
     freeze_long_lived()  # as a station actor does once it serves (station/actor.py)
     print(server.address, flush=True)
     sys.stdin.read()  # serve until the benchmark closes our stdin (or dies)

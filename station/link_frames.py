@@ -12,6 +12,10 @@ A frame is a fixed header and a body:
             dtype and shape, its data empty), so that neither side copies a MiB into and out of protobuf
     REPLY   station -> client: a ForwardReply (to HELLO: empty, the token was accepted)
     ERROR   station -> client: `status` is the gRPC status code, the body its UTF-8 message
+    SHM     client -> station, at most once per connection after HELLO: the offer of a shared-memory segment
+            (station.link_shm); REPLY accepts it, ERROR (FAILED_PRECONDITION) declines and the connection goes on
+    REQUEST_SHM  as REQUEST, but its `rows length` bytes of rows are at the start of the accepted segment, not in
+            the stream
 
 Nothing here knows the station: reading and writing frames, the status codes they carry, and the TLS contexts.
 """
@@ -27,10 +31,11 @@ import time
 import grpc
 
 from mesh.core.transport import StationTls
+from station.link_shm import RowsSegment
 
 MAGIC = b"WMRL"
 VERSION = 1
-HELLO, REQUEST, REPLY, ERROR = 1, 2, 3, 4
+HELLO, REQUEST, REPLY, ERROR, SHM, REQUEST_SHM = 1, 2, 3, 4, 5, 6
 HEADER = struct.Struct("<4sBBHIId")
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection must finish TLS and say HELLO within this
 CODES = {code.value[0]: code for code in grpc.StatusCode}  # a frame's status number -> its gRPC status
@@ -44,9 +49,10 @@ class LinkError(Exception):
         self.code = code
 
 
-def frame(kind: int, body: bytes = b"", *, status: int = 0, seconds: float = 0.0) -> bytes:
-    """One frame without rows as bytes (header and body joined: for the small ones)."""
-    return HEADER.pack(MAGIC, VERSION, kind, status, len(body), 0, seconds) + body
+def frame(kind: int, body: bytes = b"", *, status: int = 0, seconds: float = 0.0, rows_length: int = 0) -> bytes:
+    """One frame without rows in the stream as bytes (header and body joined: for the small ones); `rows_length`:
+    the rows a REQUEST_SHM has in its segment."""
+    return HEADER.pack(MAGIC, VERSION, kind, status, len(body), rows_length, seconds) + body
 
 
 def send_frame(sock: socket.socket, kind: int, body: bytes, *, rows: memoryview | None = None,
@@ -88,11 +94,13 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None, into: bytear
     return buf
 
 
-def read_frame(sock: socket.socket, max_body: int, deadline: float | None = None, rows_into: RowsBuffer | None = None
+def read_frame(sock: socket.socket, max_body: int, deadline: float | None = None, rows_into: RowsBuffer | None = None,
+               segment: RowsSegment | None = None
                ) -> tuple[int, int, float, bytearray, bytearray | memoryview | None] | None:
     """(kind, status, seconds, body, rows or None) of the next frame, None at a clean end; LinkError for a frame
     not to be trusted (the connection cannot go on after it). `max_body` bounds the body and rows together.
-    `rows_into`: the rows land in that buffer (a view of it returned, valid until its next frame)."""
+    `rows_into`: the rows land in that buffer (a view of it returned, valid until its next frame); `segment`: the
+    connection's accepted shared-memory segment, where a REQUEST_SHM's rows are read from."""
     head = recv_exact(sock, HEADER.size, deadline)
     if head is None:
         return None
@@ -106,6 +114,15 @@ def read_frame(sock: socket.socket, max_body: int, deadline: float | None = None
         raise LinkError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"relay link: a {length + rows_length}-byte frame is "
                         f"over the {max_body}-byte limit")
     body = recv_exact(sock, length, deadline) if length else bytearray()
+    if kind == REQUEST_SHM:
+        if segment is None or rows_length > segment.size:
+            raise LinkError(grpc.StatusCode.INVALID_ARGUMENT, f"relay link: {rows_length} bytes of rows in shared "
+                            "memory, but this connection " + ("has no segment" if segment is None else
+                                                              f"has a {segment.size}-byte segment"))
+        if body is None:
+            raise ConnectionError("the peer closed the connection inside a frame")
+        into = rows_into.take(rows_length) if rows_into is not None else bytearray(rows_length)
+        return kind, status, seconds, body, segment.read_into(rows_length, into)
     rows = (recv_exact(sock, rows_length, deadline, rows_into.take(rows_length) if rows_into is not None else None)
             if rows_length else None)
     if body is None or (rows_length and rows is None):

@@ -42,8 +42,9 @@ from mesh.core.wire_tensor import WireError, tensor_bytes, tensor_header, tensor
 from station.client import station_channel
 from station.interceptors import FORWARD_METHOD, INFO_METHOD, WireBytes
 from station.link_frames import LinkError
-from station.relay_link import RelayLinkClient
+from station.relay_link_client import RelayLinkClient
 
+SHM_ROWS_BYTES = 4 << 20  # a link connection's shared-memory segment: a 64-row wave of 8192-wide float32 rows is 2 MiB
 StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor], tuple[StationOutput, pb.KVUsage]]
 
 
@@ -60,12 +61,15 @@ class Successors:
     `max_channels`), with this station's own token and TLS material."""
 
     def __init__(self, token: str | None, tls: StationTls | None, max_message_bytes: int, wire: WireBytes,
-                 default_timeout_s: float = 30.0, max_channels: int = 16, use_links: bool = True) -> None:
+                 default_timeout_s: float = 30.0, max_channels: int = 16, use_links: bool = True,
+                 shm_bytes: int = SHM_ROWS_BYTES) -> None:
         """`wire`: where the bytes of relayed requests ("out") and their answers ("in") are counted (the station's
         own Forward counts); `use_links`: relay over a successor's relay link where it offers one
-        (station.relay_link), else always as gRPC Forward calls."""
+        (station.relay_link), else always as gRPC Forward calls; `shm_bytes`: each link connection's shared-memory
+        segment for its rows where the successor shares this host (station.link_shm; 0: rows always by TCP)."""
         self._token = token
         self._use_links = use_links
+        self._shm_bytes = shm_bytes
         self._links: dict[str, RelayLinkClient | None] = {}  # by gRPC address; None: that station offers no link
         self._metadata = bearer_metadata(token)
         self._wire = wire
@@ -115,7 +119,8 @@ class Successors:
                                    response_deserializer=pb.InfoReply.FromString)
         port = info(pb.InfoRequest(), timeout=timeout, metadata=self._metadata).relay_port
         link = (RelayLinkClient(address_host(address), port, token=self._token, tls=self._tls,
-                                max_message_bytes=self._max_message_bytes, wire=self._wire) if port else None)
+                                max_message_bytes=self._max_message_bytes, wire=self._wire,
+                                shm_bytes=self._shm_bytes) if port else None)
         with self._lock:
             if address in self._links:  # another wave asked at the same time
                 if link is not None:

@@ -8,9 +8,11 @@ station's CPU by about a third (`mesh bench scale --relay link|grpc`, alternated
 which is what limits such a chain. gRPC stays for every call
 from the orchestrator, for health and for a successor that offers no link (InfoReply.relay_port 0).
 
-Its frames (HELLO with the token, REQUEST, REPLY, ERROR with a status code) are station.link_frames. One
-connection carries one call at a time (a caller takes an idle connection of its pool or opens one), so a
-reply always answers the connection's last request. The station serves each connection on a thread of its
+Its frames (HELLO with the token, REQUEST, REPLY, ERROR with a status code, SHM and REQUEST_SHM) are
+station.link_frames; the caller's side is station.relay_link_client. Where caller and station share a host, a
+connection's rows go through a shared-memory segment the caller offers (station.link_shm), the messages still
+over the socket. One connection carries one call at a time (a caller takes an idle connection of its pool or
+opens one), so a reply always answers the connection's last request. The station serves each connection on a thread of its
 own, at most `max_connections` at once. A frame that cannot be trusted (bad magic or version, over the size
 limit) is answered with an ERROR and the connection closed; a body that does not parse is answered with
 INVALID_ARGUMENT and the connection goes on; a wrong token gets UNAUTHENTICATED and a close. Whatever a
@@ -31,8 +33,9 @@ from google.protobuf.message import DecodeError
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.transport import StationTls, check_token
 from station.interceptors import WireBytes
-from station.link_frames import (CODES, ERROR, HANDSHAKE_TIMEOUT_S, HELLO, REPLY, REQUEST, LinkError, RowsBuffer,
-                                 frame, read_frame, send_frame, tls_context)
+from station.link_frames import (ERROR, HANDSHAKE_TIMEOUT_S, HELLO, REPLY, REQUEST, REQUEST_SHM, SHM, LinkError,
+                                 RowsBuffer, frame, read_frame, send_frame, tls_context)
+from station.link_shm import RowsSegment
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ class RelayLinkServer:
         self.port = self._listener.getsockname()[1]
         self._stopped = False
         self.requests = 0  # REQUEST frames received (read by tests and benchmarks)
+        self.shm_requests = 0  # of them, those whose rows came through a shared-memory segment
         threading.Thread(target=self._accept_loop, name="relay-link-accept", daemon=True).start()
 
     def _accept_loop(self) -> None:
@@ -90,7 +94,7 @@ class RelayLinkServer:
         conn.close()
 
     def _serve_connection(self, raw: socket.socket) -> None:
-        conn = raw
+        conn, segment = raw, None
         with self._lock:
             self._open.add(raw)
         try:
@@ -107,17 +111,23 @@ class RelayLinkServer:
             while not self._stopped:
                 conn.settimeout(None)
                 try:
-                    got = read_frame(conn, self._max_body, rows_into=rows_buffer)
+                    got = read_frame(conn, self._max_body, rows_into=rows_buffer, segment=segment)
                 except LinkError as err:
                     self._refuse(conn, err.code, str(err))
                     return
                 if got is None:
                     return
                 kind, _, seconds, body, rows = got
-                if kind != REQUEST:
+                if kind == SHM:
+                    segment = self._accept_segment(conn, body, segment)
+                    continue
+                if kind not in (REQUEST, REQUEST_SHM):
                     self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, f"relay link: frame kind {kind} where a "
                                  "request was expected")
                     return
+                if kind == REQUEST_SHM:
+                    with self._lock:
+                        self.shm_requests += 1
                 self._reply(conn, body, rows, seconds)
         except (OSError, ValueError) as err:  # the peer went away, a TLS failure, a handshake timeout
             log.debug("relay link: connection ended: %s", err)
@@ -127,6 +137,8 @@ class RelayLinkServer:
             with self._lock:
                 self._open.discard(raw)
                 self._open.discard(conn)
+            if segment is not None:
+                segment.close()
             conn.close()
             raw.close()
             self._slots.release()
@@ -146,6 +158,20 @@ class RelayLinkServer:
             return False
         conn.sendall(frame(REPLY))
         return True
+
+    def _accept_segment(self, conn: socket.socket, offer: bytearray, held: RowsSegment | None) -> RowsSegment | None:
+        """Answer a client's shared-memory offer (station.link_shm): the segment mapped and REPLY, or the one held
+        before and an ERROR naming why not (the connection goes on over TCP)."""
+        try:
+            if held is not None:
+                raise ValueError("shared-memory offer: this connection already has a segment")
+            segment = RowsSegment.attach(offer, self._max_body)
+        except ValueError as err:
+            conn.sendall(frame(ERROR, str(err).encode(errors="replace"),
+                               status=grpc.StatusCode.FAILED_PRECONDITION.value[0]))
+            return held
+        conn.sendall(frame(REPLY))
+        return segment
 
     def _reply(self, conn: socket.socket, body: bytearray, rows: bytearray | memoryview | None, seconds: float) -> None:
         """Answer one REQUEST (its body, the hidden rows' bytes where they came beside it) on `conn`."""
@@ -178,88 +204,3 @@ class RelayLinkServer:
                     conn.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-
-
-class RelayLinkClient:
-    """Calls to one station's relay link, over a pool of connections (one call on each at a time)."""
-
-    def __init__(self, host: str, port: int, *, token: str | None, tls: StationTls | None,
-                 max_message_bytes: int, wire: WireBytes, max_idle: int = 8) -> None:
-        """`wire`: where request ("out") and reply ("in") bytes are counted."""
-        self.address = (host, port)
-        self._hello = frame(HELLO, token.encode() if token is not None else b"")
-        self._ssl = tls_context(tls, server=False) if tls is not None else None
-        self._server_name = tls.server_name if tls is not None else None
-        self._max_body = max_message_bytes
-        self._wire = wire
-        self._max_idle = max_idle
-        self._idle: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def _connect(self, deadline: float) -> socket.socket:
-        conn = socket.create_connection(self.address, timeout=max(1e-3, deadline - time.monotonic()))
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._ssl is not None:
-                conn = self._ssl.wrap_socket(conn, server_hostname=self._server_name)
-            conn.sendall(self._hello)
-            self._expect_reply(conn, deadline)
-            return conn
-        except BaseException:
-            conn.close()
-            raise
-
-    def _expect_reply(self, conn: socket.socket, deadline: float) -> bytearray:
-        got = read_frame(conn, self._max_body, deadline)
-        if got is None:
-            raise ConnectionError("the station closed the connection without answering")
-        kind, status, _, body, _ = got
-        if kind == ERROR:
-            raise LinkError(CODES.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
-        if kind != REPLY:
-            raise LinkError(grpc.StatusCode.INTERNAL, f"relay link: frame kind {kind} where a reply was expected")
-        return body
-
-    def forward(self, request: pb.ForwardRequest, timeout_s: float, rows: memoryview | None = None
-                ) -> pb.ForwardReply:
-        """Send `request` (with `rows`: its hidden rows' bytes, sent beside it, `request.hidden` holding their dtype
-        and shape), return the station's reply within `timeout_s`; LinkError with the status it stands for
-        (UNAVAILABLE: the station cannot be reached or went away; DEADLINE_EXCEEDED: no answer in time)."""
-        deadline = time.monotonic() + timeout_s
-        data = request.SerializeToString()
-        conn = None
-        try:
-            with self._lock:
-                conn = self._idle.pop() if self._idle else None
-            if conn is None:
-                conn = self._connect(deadline)
-            conn.settimeout(max(1e-3, deadline - time.monotonic()))
-            send_frame(conn, REQUEST, data, rows=rows, seconds=max(1e-3, deadline - time.monotonic()))
-            self._wire.add("out", len(data) + (rows.nbytes if rows is not None else 0))
-            body = self._expect_reply(conn, deadline)
-            self._wire.add("in", len(body))
-            reply = pb.ForwardReply.FromString(body)
-        except (LinkError, OSError, ValueError, DecodeError) as err:  # the connection cannot be trusted after it
-            if conn is not None:
-                conn.close()
-            if isinstance(err, LinkError):
-                raise
-            if isinstance(err, TimeoutError):  # socket.timeout is TimeoutError
-                raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "relay link: no answer before the deadline") from None
-            raise LinkError(grpc.StatusCode.UNAVAILABLE, f"relay link: {type(err).__name__}: {err}") from None
-        with self._lock:
-            if not self._closed and len(self._idle) < self._max_idle:
-                self._idle.append(conn)
-                conn = None
-        if conn is not None:
-            conn.close()
-        return reply
-
-    def close(self) -> None:
-        """Close the idle connections (a call in progress closes its own when it ends)."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()

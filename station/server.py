@@ -26,7 +26,7 @@ from mesh.core.proto import station_pb2_grpc
 from mesh.core.transport import StationTls, host_port
 from station.interceptors import SERVICE_NAME, CountForwardBytes, StrictDecode, TokenAuth, WireBytes
 from station.probe import HealthProbe, ProbeConfig
-from station.relay import Successors
+from station.relay import SHM_ROWS_BYTES, Successors
 from station.relay_link import RelayLinkServer
 from station.servicer import ServerLimits, StationServicer
 from station.step import Station
@@ -73,7 +73,8 @@ class StationServer:
 def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limits: ServerLimits = ServerLimits(),
                  metrics_address: str = "", *, token: str | None = None,
                  tls: StationTls | None = None, probe: ProbeConfig | None = None,
-                 relay_tls: StationTls | None = None, relay_link: bool = True) -> StationServer:
+                 relay_tls: StationTls | None = None, relay_link: bool = True,
+                 relay_shm: bool = True) -> StationServer:
     """Serve `station` on host:port (0 = a free port); health is SERVING once this returns.
 
     `probe`: keep the health answer true to the forward path (station.probe): a probe row every
@@ -85,6 +86,8 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
     certificates are for serving only). Relayed calls carry `token` too.
     `relay_link`: serve relayed waves on a relay link (station.relay_link) beside gRPC, and relay to successors
     over theirs; False: relays in and out are gRPC Forward calls (for comparison).
+    `relay_shm`: a relay to a successor on this host sends its rows through shared memory (station.link_shm);
+    False: by TCP (for comparison).
     """
     keep_large_blocks()  # a wave's payload buffers (hidden rows, MiB each) reuse freed memory, not fresh pages
     cfg = station.config
@@ -98,7 +101,8 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
                                                     thread_name_prefix="station-grpc"),
                          options=options, interceptors=interceptors)
     # relayed waves go on with this station's own credentials
-    successors = Successors(token, relay_tls or tls, size, wire, use_links=relay_link)
+    successors = Successors(token, relay_tls or tls, size, wire, use_links=relay_link,
+                            shm_bytes=SHM_ROWS_BYTES if relay_shm else 0)
     servicer = StationServicer(station, limits, wire, metrics_address, successors)
     station_pb2_grpc.add_StationServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()

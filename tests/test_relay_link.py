@@ -22,7 +22,7 @@ from mesh.core.wire_tensor import tensor_to_proto
 from station.interceptors import WireBytes
 from station.link_frames import (ERROR, HEADER, HELLO, MAGIC, REPLY, REQUEST, VERSION, LinkError, RowsBuffer, read_frame,
                                  send_frame)
-from station.relay_link import RelayLinkClient
+from station.relay_link_client import RelayLinkClient
 from station.server import start_server
 from station.step import Station
 
