@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
+from pathlib import Path
 
 import grpc
 import pytest
@@ -209,3 +211,16 @@ def test_a_segment_carries_rows_intact(size):
     finally:
         segment.close()
         os.unlink(path)
+
+
+def test_the_hop_bench_measures_both_carriages(capsys):
+    """`python bench/link_hop.py` alternates shared memory and TCP over one station process, and checks that each
+    mode's rows really went the way it names (else it fails)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import link_hop
+
+    assert link_hop.main(["--mib", "0.05", "--hops", "5", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" shm: round trip") == 2 and out.count(" tcp: round trip") == 2
+    assert "| shm |" in out and "| tcp |" in out
+    assert _segments_left() == []

@@ -210,8 +210,11 @@ def test_the_link_speaks_mutual_tls_only(tiny_llama, pki_files):
     port = server.relay_link.port
     try:
         good = RelayLinkClient("127.0.0.1", port, token=TOKEN, tls=tls("orchestrator"), max_message_bytes=LIMIT,
-                               wire=WireBytes())
-        assert len(good.forward(_request(907, hidden), 30).samples.samples) == 1
+                               wire=WireBytes(), shm_bytes=1 << 20)  # the offer and the rows' frames over TLS too
+        request = _request(907, hidden)
+        rows, request.hidden.data = request.hidden.data, b""
+        assert len(good.forward(request, 30, rows=memoryview(rows)).samples.samples) == 1
+        assert server.relay_link.shm_requests == 1
         good.close()
         for stem in ("station", "rogue"):
             bad = RelayLinkClient("127.0.0.1", port, token=TOKEN, tls=tls(stem), max_message_bytes=LIMIT,
