@@ -39,7 +39,9 @@ class RowsSegment:
     @classmethod
     def create(cls, size: int, directory: str = SHM_DIR) -> tuple["RowsSegment", bytes, str] | None:
         """A new segment of `size` bytes, the body of its offer and its path (to unlink once the offer is
-        answered); None where the host has no such directory or no room for it."""
+        answered); None where the host has no such directory, no room for it, or no way to reserve its pages."""
+        if not hasattr(os, "posix_fallocate"):  # not Linux: TCP it is
+            return None
         name = f"wavemesh-rows-{secrets.token_hex(16)}"
         path = os.path.join(directory, name)
         try:

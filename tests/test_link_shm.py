@@ -200,7 +200,8 @@ def test_a_station_that_hangs_up_on_the_offer_is_called_again_without_one():
 
 
 @pytest.mark.parametrize("size", [64, 1 << 20])
-def test_a_segment_carries_rows_intact(size):
+def test_a_segment_carries_rows_intact(size, tmp_path):
+    assert RowsSegment.create(size, str(tmp_path / "missing")) is None  # no such place: the link goes by TCP
     segment, offer, path = RowsSegment.create(size)
     try:
         attached = RowsSegment.attach(offer, size)
