@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         station.stdin.close()
         station.wait(10)
     print(f"\n{args.mib:g} MiB per hop, {args.hops} hops a round, medians of {args.rounds} rounds:")
-    print("| rows by | round trip p50 ms | p90 ms | client CPU ms/hop | station CPU ms/hop |\n|---|---:|---:|---:|---:|")
+    print("| rows by | round trip p50 ms | p90 ms | client CPU ms/hop | station CPU ms/hop |")
+    print("|---|---:|---:|---:|---:|")
     for mode in ("shm", "tcp"):
         rs = [r for r in results if r["mode"] == mode]
         med = {k: statistics.median(r[k] for r in rs) for k in ("p50_ms", "p90_ms", "client_cpu_ms", "station_cpu_ms")}

@@ -80,6 +80,8 @@ class RowsSegment:
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size != size:
                 raise ValueError(f"shared-memory offer: {name} is not a {size}-byte file of this user")
             mapped = mmap.mmap(fd, size)
+        except OSError as err:
+            raise ValueError(f"shared-memory offer: cannot map {name} ({err.strerror})") from None
         finally:
             os.close(fd)
         if not hmac.compare_digest(mapped[:NONCE_BYTES], nonce):

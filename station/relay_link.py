@@ -12,8 +12,8 @@ Its frames (HELLO with the token, REQUEST, REPLY, ERROR with a status code, SHM 
 station.link_frames; the caller's side is station.relay_link_client. Where caller and station share a host, a
 connection's rows go through a shared-memory segment the caller offers (station.link_shm), the messages still
 over the socket. One connection carries one call at a time (a caller takes an idle connection of its pool or
-opens one), so a reply always answers the connection's last request. The station serves each connection on a thread of its
-own, at most `max_connections` at once. A frame that cannot be trusted (bad magic or version, over the size
+opens one), so a reply always answers the connection's last request. The station serves each connection on a
+thread of its own, at most `max_connections` at once. A frame that cannot be trusted (bad magic or version, over the size
 limit) is answered with an ERROR and the connection closed; a body that does not parse is answered with
 INVALID_ARGUMENT and the connection goes on; a wrong token gets UNAUTHENTICATED and a close. Whatever a
 connection sends, the station goes on serving the others.

@@ -87,7 +87,10 @@ class RelayLinkClient:
             segment.close()
             raise
         finally:
-            os.unlink(path)
+            try:
+                os.unlink(path)
+            except OSError:  # already gone: nothing to leave behind
+                pass
 
     def _expect_reply(self, conn: socket.socket, deadline: float) -> bytearray:
         got = read_frame(conn, self._max_body, deadline)
