@@ -6,7 +6,8 @@ ends of a relay link share a host, the client offers each connection one segment
 0600, its pages reserved at once, so that a full tmpfs is an error now and not a bus error later) whose first bytes
 hold a random nonce. The station opens the file the offer names (only a name of the form below: a regular file of
 this user, of the announced size), finds the nonce (so both ends see one file, on one host), maps it and accepts;
-the client then unlinks the name, so nothing stays in /dev/shm whatever happens to either process. From there a
+the client then unlinks the name, so nothing stays in /dev/shm whatever happens to either process later (a client
+killed inside that one round trip leaves its file behind: 4 MiB named wavemesh-rows-*). From there a
 request whose rows fit goes as REQUEST_SHM: the rows are written into the segment, only the message crosses the
 socket, and the station copies them out into the connection's rows buffer before it reads them (what it validates
 is then its own memory; the client writes the segment again only after the reply). On another host the name is not
