@@ -113,18 +113,16 @@ def read_frame(sock: socket.socket, max_body: int, deadline: float | None = None
     if length + rows_length > max_body:
         raise LinkError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"relay link: a {length + rows_length}-byte frame is "
                         f"over the {max_body}-byte limit")
+    if kind == REQUEST_SHM and (segment is None or rows_length > segment.size):
+        raise LinkError(grpc.StatusCode.INVALID_ARGUMENT, f"relay link: {rows_length} bytes of rows in shared memory, "
+                        "but this connection " + ("has no segment" if segment is None else
+                                                  f"has a {segment.size}-byte segment"))
     body = recv_exact(sock, length, deadline) if length else bytearray()
-    if kind == REQUEST_SHM:
-        if segment is None or rows_length > segment.size:
-            raise LinkError(grpc.StatusCode.INVALID_ARGUMENT, f"relay link: {rows_length} bytes of rows in shared "
-                            "memory, but this connection " + ("has no segment" if segment is None else
-                                                              f"has a {segment.size}-byte segment"))
-        if body is None:
-            raise ConnectionError("the peer closed the connection inside a frame")
-        into = rows_into.take(rows_length) if rows_into is not None else bytearray(rows_length)
-        return kind, status, seconds, body, segment.read_into(rows_length, into)
-    rows = (recv_exact(sock, rows_length, deadline, rows_into.take(rows_length) if rows_into is not None else None)
-            if rows_length else None)
+    into = rows_into.take(rows_length) if rows_into is not None and rows_length else None
+    if kind == REQUEST_SHM:  # the rows are in the segment, not in the stream
+        rows = segment.read_into(rows_length, into if into is not None else bytearray(rows_length))
+    else:
+        rows = recv_exact(sock, rows_length, deadline, into) if rows_length else None
     if body is None or (rows_length and rows is None):
         raise ConnectionError("the peer closed the connection inside a frame")
     return kind, status, seconds, body, rows

@@ -24,6 +24,7 @@ import stat
 import struct
 
 SHM_DIR = "/dev/shm"
+SEGMENT_BYTES = 4 << 20  # a relaying station's segment per connection: a 64-row wave of 8192-wide float32 is 2 MiB
 NAME = re.compile(r"wavemesh-rows-[0-9a-f]{32}")
 NONCE_BYTES = 16
 OFFER = struct.Struct("<16sQ")  # the nonce, the segment's bytes; the file's name (ASCII) follows

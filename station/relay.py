@@ -42,9 +42,9 @@ from mesh.core.wire_tensor import WireError, tensor_bytes, tensor_header, tensor
 from station.client import station_channel
 from station.interceptors import FORWARD_METHOD, INFO_METHOD, WireBytes
 from station.link_frames import LinkError
+from station.link_shm import SEGMENT_BYTES
 from station.relay_link_client import RelayLinkClient
 
-SHM_ROWS_BYTES = 4 << 20  # a link connection's shared-memory segment: a 64-row wave of 8192-wide float32 rows is 2 MiB
 StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor], tuple[StationOutput, pb.KVUsage]]
 
 
@@ -62,7 +62,7 @@ class Successors:
 
     def __init__(self, token: str | None, tls: StationTls | None, max_message_bytes: int, wire: WireBytes,
                  default_timeout_s: float = 30.0, max_channels: int = 16, use_links: bool = True,
-                 shm_bytes: int = SHM_ROWS_BYTES) -> None:
+                 shm_bytes: int = SEGMENT_BYTES) -> None:
         """`wire`: where the bytes of relayed requests ("out") and their answers ("in") are counted (the station's
         own Forward counts); `use_links`: relay over a successor's relay link where it offers one
         (station.relay_link), else always as gRPC Forward calls; `shm_bytes`: each link connection's shared-memory

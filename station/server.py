@@ -26,7 +26,8 @@ from mesh.core.proto import station_pb2_grpc
 from mesh.core.transport import StationTls, host_port
 from station.interceptors import SERVICE_NAME, CountForwardBytes, StrictDecode, TokenAuth, WireBytes
 from station.probe import HealthProbe, ProbeConfig
-from station.relay import SHM_ROWS_BYTES, Successors
+from station.link_shm import SEGMENT_BYTES
+from station.relay import Successors
 from station.relay_link import RelayLinkServer
 from station.servicer import ServerLimits, StationServicer
 from station.step import Station
@@ -102,7 +103,7 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
                          options=options, interceptors=interceptors)
     # relayed waves go on with this station's own credentials
     successors = Successors(token, relay_tls or tls, size, wire, use_links=relay_link,
-                            shm_bytes=SHM_ROWS_BYTES if relay_shm else 0)
+                            shm_bytes=SEGMENT_BYTES if relay_shm else 0)
     servicer = StationServicer(station, limits, wire, metrics_address, successors)
     station_pb2_grpc.add_StationServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
