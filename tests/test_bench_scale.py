@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import scale
 import scale_figures
-from sim_station import SimModel, SimulatedStation
+from sim_station import ModelledWait, SimModel, SimulatedStation
 
 from mesh.core.wave import WaveEntry
 from station.server import start_server
@@ -65,6 +65,25 @@ def test_sim_model_defaults_are_the_issue_figures():
     assert sim.station_seconds(10, 128) == pytest.approx(0.016)  # a wave twice as tall
     with pytest.raises(ValueError, match="wave_s"):
         SimModel(wave_s=float("nan"))
+
+
+def test_a_modelled_step_lasts_its_modelled_time_though_sleeps_wake_late():
+    """A clock whose sleeps wake 0.3 ms late: the waits learn it and end on time; a sleep that wakes on time is
+    left as it is asked; no sleep is asked to be more than 1 ms short or below zero."""
+    now = [0.0]
+    asked: list[float] = []
+
+    def late_sleep(s: float) -> None:
+        asked.append(s)
+        now[0] += s + 0.0003
+
+    wait = ModelledWait(sleep=late_sleep, clock=lambda: now[0])
+    took = [wait.wait(0.016) for _ in range(100)]
+    assert took[0] == pytest.approx(0.0163) and abs(took[-1] - 0.016) < 1e-5
+    assert all(0.015 <= s <= 0.016 for s in asked)
+    on_time = ModelledWait(sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0])
+    assert [on_time.wait(0.004) for _ in range(3)] == pytest.approx([0.004] * 3)
+    assert on_time.wait(0.0) == 0.0
 
 
 def test_simulated_chain_serves_through_the_real_engine():
