@@ -31,8 +31,8 @@ LIMIT = 64 << 20
 
 def serve() -> int:
     """The station side: answer every request with an empty reply until stdin closes; print the port first."""
-    server = RelayLinkServer("127.0.0.1", lambda request, time_left, rows: pb.ForwardReply(), token=TOKEN, tls=None,
-                             max_message_bytes=LIMIT, wire=WireBytes())
+    server = RelayLinkServer("127.0.0.1", lambda request, time_left, rows, prepared: pb.ForwardReply(), token=TOKEN,
+                             tls=None, max_message_bytes=LIMIT, wire=WireBytes())
     print(server.port, flush=True)
     sys.stdin.read()
     server.stop()

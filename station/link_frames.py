@@ -16,6 +16,16 @@ A frame is a fixed header and a body:
             (station.link_shm); REPLY accepts it, ERROR (FAILED_PRECONDITION) declines and the connection goes on
     REQUEST_SHM  as REQUEST, but its `rows length` bytes of rows are at the start of the accepted segment, not in
             the stream
+    ANNOUNCE  client -> station: a ForwardRequest whose hidden rows are not computed yet (a relaying station sends it
+            before its own step, so that its successor decodes the entries while that step runs); no answer until
+    ROWS    client -> station, the next frame after an ANNOUNCE: its body the rows' dtype and shape (a Tensor message,
+            data empty), the rows after it in the stream; `seconds` the time left now. The station answers the
+            announced request as a REQUEST (REPLY or ERROR). A client whose step fails after its ANNOUNCE closes the
+            connection instead: the station drops the announced request unanswered
+    ROWS_SHM  as ROWS, the rows in the segment
+
+A station that knows ANNOUNCE says so in its REPLY to HELLO, whose body lists what it speaks beyond REQUEST
+(FEATURES, comma-separated); a client announces only to such a station (an earlier build's REPLY is empty).
 
 Nothing here knows the station: reading and writing frames, the status codes they carry, and the TLS contexts.
 """
@@ -35,7 +45,9 @@ from station.link_shm import RowsSegment
 
 MAGIC = b"WMRL"
 VERSION = 1
-HELLO, REQUEST, REPLY, ERROR, SHM, REQUEST_SHM = 1, 2, 3, 4, 5, 6
+HELLO, REQUEST, REPLY, ERROR, SHM, REQUEST_SHM, ANNOUNCE, ROWS, ROWS_SHM = 1, 2, 3, 4, 5, 6, 7, 8, 9
+IN_SEGMENT = (REQUEST_SHM, ROWS_SHM)  # the kinds whose rows are in the connection's segment, not the stream
+FEATURES = b"announce"  # a station's REPLY to HELLO: what it speaks beyond REQUEST
 HEADER = struct.Struct("<4sBBHIId")
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection must finish TLS and say HELLO within this
 CODES = {code.value[0]: code for code in grpc.StatusCode}  # a frame's status number -> its gRPC status
@@ -100,7 +112,7 @@ def read_frame(sock: socket.socket, max_body: int, deadline: float | None = None
     """(kind, status, seconds, body, rows or None) of the next frame, None at a clean end; LinkError for a frame
     not to be trusted (the connection cannot go on after it). `max_body` bounds the body and rows together.
     `rows_into`: the rows land in that buffer (a view of it returned, valid until its next frame); `segment`: the
-    connection's accepted shared-memory segment, where a REQUEST_SHM's rows are read from."""
+    connection's accepted shared-memory segment, where a REQUEST_SHM's or ROWS_SHM's rows are read from."""
     head = recv_exact(sock, HEADER.size, deadline)
     if head is None:
         return None
@@ -113,13 +125,13 @@ def read_frame(sock: socket.socket, max_body: int, deadline: float | None = None
     if length + rows_length > max_body:
         raise LinkError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"relay link: a {length + rows_length}-byte frame is "
                         f"over the {max_body}-byte limit")
-    if kind == REQUEST_SHM and (segment is None or rows_length > segment.size):
+    if kind in IN_SEGMENT and (segment is None or rows_length > segment.size):
         raise LinkError(grpc.StatusCode.INVALID_ARGUMENT, f"relay link: {rows_length} bytes of rows in shared memory, "
                         "but this connection " + ("has no segment" if segment is None else
                                                   f"has a {segment.size}-byte segment"))
     body = recv_exact(sock, length, deadline) if length else bytearray()
     into = rows_into.take(rows_length) if rows_into is not None and rows_length else None
-    if kind == REQUEST_SHM:  # the rows are in the segment, not in the stream
+    if kind in IN_SEGMENT:  # the rows are in the segment, not in the stream
         rows = segment.read_into(rows_length, into if into is not None else bytearray(rows_length))
     else:
         rows = recv_exact(sock, rows_length, deadline, into) if rows_length else None

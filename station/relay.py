@@ -23,6 +23,10 @@ token can name a successor, so a station dials no address a stranger chose.
 A call goes over the successor's relay link (station.relay_link: the same messages framed on plain TCP or
 TLS, half a gRPC call's latency and CPU for a MiB of rows) where its Info names one, else as a gRPC Forward
 call. The link's address is asked for once per successor and forgotten when the link becomes unreachable.
+Over a link, a relaying station announces the onward request (entries, relay list) before it computes its rows and
+sends only the rows after: its successor decodes the entries meanwhile instead of in the moment when, in a full
+chain, every station hands its wave on at once (a step that fails after its announcement closes that connection,
+and the successor drops the request).
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import torch
@@ -43,9 +49,18 @@ from station.client import station_channel
 from station.interceptors import FORWARD_METHOD, INFO_METHOD, WireBytes
 from station.link_frames import LinkError
 from station.link_shm import SEGMENT_BYTES
-from station.relay_link_client import RelayLinkClient
+from station.relay_link_client import Announced, RelayLinkClient
 
+_R = TypeVar("_R")
 StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor], tuple[StationOutput, pb.KVUsage]]
+
+
+@dataclass(frozen=True, slots=True)
+class Announcement:
+    """A wave's onward request sent ahead of its rows over a successor's relay link (Successors.announce)."""
+
+    link: RelayLinkClient
+    sent: Announced
 
 
 class RelayError(RuntimeError):
@@ -133,13 +148,20 @@ class Successors:
               ) -> pb.ForwardReply:
         """Forward `request` with its `hidden` rows to the station at `address`: over its relay link, the rows' bytes
         beside the message, else in it as a gRPC call; RelayError on failure."""
-        try:
+        def call() -> pb.ForwardReply:
             link = self._link(address, timeout)
             if link is None:
                 tensor_to_proto(hidden, into=request.hidden)
                 return self._forward(address)(request, timeout=timeout, metadata=self._metadata)
             tensor_header(hidden, into=request.hidden)
             return link.forward(request, timeout, rows=tensor_bytes(hidden))
+        return self._relayed(address, call)
+
+    def _relayed(self, address: str, call: Callable[[], _R]) -> _R:
+        """`call()`, a call to the station at `address`, its failure as a RelayError with the status it stands for
+        (a link that became unreachable forgotten)."""
+        try:
+            return call()
         except LinkError as err:
             if err.code == grpc.StatusCode.UNAVAILABLE:
                 with self._lock:
@@ -150,19 +172,55 @@ class Successors:
         except ValueError as err:  # the channel was closed under us (evicted)
             raise RelayError(grpc.StatusCode.UNAVAILABLE, f"relay to {address}: {err}") from None
 
+    def announce(self, wave_id: int, entries: Sequence[pb.Entry], relay_to: tuple[str, ...],
+                 time_left_s: float | None) -> Announcement | None:
+        """Send relay_to[0] the wave's onward request before this station computes its rows, where its relay link
+        takes announcements (station.relay_link): it decodes the entries meanwhile. None where it does not, or the
+        announcement could not be sent (`relay` then makes the whole call and reports any failure)."""
+        successor = relay_to[0]
+        timeout = self._timeout(time_left_s)
+        onward = pb.ForwardRequest(wave_id=wave_id, entries=entries, relay_to=relay_to[1:])
+        try:
+            link = self._relayed(successor, lambda: self._link(successor, timeout))
+            sent = link.announce(onward, timeout) if link is not None else None
+        except (RelayError, LinkError):
+            return None
+        return Announcement(link, sent) if sent is not None else None
+
+    @staticmethod
+    def unless_failed(announcement: Announcement | None, step: Callable[[], _R]) -> _R:
+        """Run this station's `step`; where it fails, abandon the `announcement` made for its rows (the successor
+        drops the announced request)."""
+        try:
+            return step()
+        except BaseException:
+            if announcement is not None:
+                announcement.link.abandon(announcement.sent)
+            raise
+
+    def _timeout(self, time_left_s: float | None) -> float:
+        return self._default_timeout_s if time_left_s is None else max(0.0, time_left_s)
+
     def relay(self, wave_id: int, entries: Sequence[pb.Entry], relay_to: tuple[str, ...], out: StationOutput,
-              kv: pb.KVUsage, time_left_s: float | None) -> pb.ForwardReply:
+              kv: pb.KVUsage, time_left_s: float | None, announcement: Announcement | None = None
+              ) -> pb.ForwardReply:
         """Send `out.hidden` for the wave's `entries` to relay_to[0] (with the rest of the list) within
         `time_left_s` (None: the caller set no deadline, use the default), and build this station's reply from
-        the answer."""
+        the answer. `announcement`: the request was announced to relay_to[0] (`announce`): only the rows go now."""
         if out.hidden is None:
+            if announcement is not None:
+                announcement.link.abandon(announcement.sent)
             raise RelayError(grpc.StatusCode.INVALID_ARGUMENT,
                              "relay_to: this station samples (it holds the last layer); there is nothing to relay")
         successor = relay_to[0]
-        onward = pb.ForwardRequest(wave_id=wave_id, entries=entries, relay_to=relay_to[1:])
-        timeout = self._default_timeout_s if time_left_s is None else max(0.0, time_left_s)
         t0 = time.perf_counter()
-        answer = self._call(successor, onward, out.hidden, timeout)
+        if announcement is not None:
+            link, sent, hidden = announcement.link, announcement.sent, out.hidden
+            answer = self._relayed(successor, lambda: link.complete(sent, tensor_header(hidden),
+                                                                    tensor_bytes(hidden)))
+        else:
+            onward = pb.ForwardRequest(wave_id=wave_id, entries=entries, relay_to=relay_to[1:])
+            answer = self._call(successor, onward, out.hidden, self._timeout(time_left_s))
         hop = pb.RelayHop(address=successor, kv=answer.kv, forward_seconds=answer.forward_seconds,
                           served_seconds=answer.served_seconds, call_seconds=time.perf_counter() - t0)
         reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv, relayed=[hop, *answer.relayed])
@@ -189,8 +247,10 @@ class Successors:
         hops: list[pb.RelayHop] = []
         for k in range(steps):
             step = decode_step_entries(entries, k, block_tokens)
-            out, kv = run_step(step, token_ids)
-            answer = self.relay(wave_id, entries_to_proto(step), relay_to, out, kv, time_left_s())
+            onward = entries_to_proto(step)
+            announcement = self.announce(wave_id, onward, relay_to, time_left_s())
+            out, kv = self.unless_failed(announcement, lambda: run_step(step, token_ids))
+            answer = self.relay(wave_id, onward, relay_to, out, kv, time_left_s(), announcement)
             if not answer.HasField("samples"):
                 raise RelayError(grpc.StatusCode.INTERNAL, f"relay to {relay_to[0]}: step {k} came back without "
                                  "samples (several decode steps need the chain to reach the last station)")

@@ -8,15 +8,17 @@ station's CPU by about a third (`mesh bench scale --relay link|grpc`, alternated
 which is what limits such a chain. gRPC stays for every call
 from the orchestrator, for health and for a successor that offers no link (InfoReply.relay_port 0).
 
-Its frames (HELLO with the token, REQUEST, REPLY, ERROR with a status code, SHM and REQUEST_SHM) are
-station.link_frames; the caller's side is station.relay_link_client. Where caller and station share a host, a
-connection's rows go through a shared-memory segment the caller offers (station.link_shm), the messages still
-over the socket. One connection carries one call at a time (a caller takes an idle connection of its pool or
-opens one), so a reply always answers the connection's last request. The station serves each connection on a
-thread of its own, at most `max_connections` at once. A frame that cannot be trusted (bad magic or version, over the size
-limit) is answered with an ERROR and the connection closed; a body that does not parse is answered with
-INVALID_ARGUMENT and the connection goes on; a wrong token gets UNAUTHENTICATED and a close. Whatever a
-connection sends, the station goes on serving the others.
+Its frames (HELLO with the token, REQUEST, REPLY, ERROR with a status code, SHM, REQUEST_SHM, ANNOUNCE, ROWS and
+ROWS_SHM) are station.link_frames; the caller's side is station.relay_link_client. Where caller and station share a
+host, a connection's rows go through a shared-memory segment the caller offers (station.link_shm), the messages
+still over the socket. One connection carries one call at a time (a caller takes an idle connection of its pool or
+opens one), so a reply always answers the connection's last request. A relaying station may announce its
+successor's request before its own step and send the rows after it (ANNOUNCE, then ROWS): the successor decodes
+the entries while the rows are computed, not in the moment when every station of a busy chain hands its wave on.
+The station serves each connection on a thread of its own, at most `max_connections` at once. A frame that cannot
+be trusted (bad magic or version, over the size limit, out of order) is answered with an ERROR and the connection
+closed; a body that does not parse is answered with INVALID_ARGUMENT and the connection goes on; a wrong token gets
+UNAUTHENTICATED and a close. Whatever a connection sends, the station goes on serving the others.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -33,16 +36,29 @@ from google.protobuf.message import DecodeError
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.transport import StationTls, check_token
 from station.interceptors import WireBytes
-from station.link_frames import (ERROR, HANDSHAKE_TIMEOUT_S, HELLO, REPLY, REQUEST, REQUEST_SHM, SHM, LinkError,
-                                 RowsBuffer, frame, read_frame, send_frame, tls_context)
+from station.link_frames import (ANNOUNCE, ERROR, FEATURES, HANDSHAKE_TIMEOUT_S, HELLO, IN_SEGMENT, REPLY, REQUEST,
+                                 REQUEST_SHM, ROWS, ROWS_SHM, SHM, LinkError, RowsBuffer, frame, read_frame, send_frame,
+                                 tls_context)
 from station.link_shm import RowsSegment
 
 log = logging.getLogger(__name__)
 
-# what the station answers a request with: its reply, or a status code and message
-# (the request, the seconds left of its deadline, the bytes of its hidden rows where they came beside it)
-Answer = Callable[[pb.ForwardRequest, Callable[[], float | None], bytearray | memoryview | None],
+# what the station answers a request with: its reply, or a status code and message (the request, the seconds left
+# of its deadline, the bytes of its hidden rows where they came beside it, what `Prepare` made of an announced request)
+Answer = Callable[[pb.ForwardRequest, Callable[[], float | None], bytearray | memoryview | None, object],
                   "pb.ForwardReply | tuple[grpc.StatusCode, str]"]
+# what the station makes of an announced request before its rows come (its entries decoded; None: nothing, Answer
+# then decodes it and names what is wrong)
+Prepare = Callable[[pb.ForwardRequest], object]
+
+
+@dataclass(slots=True)
+class _Announced:
+    """An announced request waiting on its connection for its rows."""
+
+    request: pb.ForwardRequest | None  # None: its body did not parse (answered INVALID_ARGUMENT after the rows)
+    prepared: object
+    body_bytes: int
 
 
 class RelayLinkServer:
@@ -50,10 +66,13 @@ class RelayLinkServer:
     `max_connections`), each answering REQUEST frames with `answer`."""
 
     def __init__(self, host: str, answer: Answer, *, token: str | None, tls: StationTls | None,
-                 max_message_bytes: int, wire: WireBytes, max_connections: int = 32) -> None:
-        """`answer(request, time_remaining, rows)`: the station's Forward; `wire`: where request ("in") and reply
-        ("out") bytes are counted, as the gRPC Forward counts them."""
+                 max_message_bytes: int, wire: WireBytes, max_connections: int = 32,
+                 prepare: Prepare | None = None) -> None:
+        """`answer(request, time_remaining, rows, prepared)`: the station's Forward; `prepare(request)`: its work on
+        an announced request before the rows come (None: the station takes no announcements); `wire`: where request
+        ("in") and reply ("out") bytes are counted, as the gRPC Forward counts them."""
         self._answer = answer
+        self._prepare = prepare
         self._token = check_token(token).encode() if token is not None else b""
         self._ssl = tls_context(tls, server=True) if tls is not None else None
         self._max_body = max_message_bytes
@@ -67,6 +86,7 @@ class RelayLinkServer:
         self._stopped = False
         self.requests = 0  # REQUEST frames received (read by tests and benchmarks)
         self.shm_requests = 0  # of them, those whose rows came through a shared-memory segment
+        self.announced = 0  # of them, those announced before their rows (ANNOUNCE, then ROWS or ROWS_SHM)
         threading.Thread(target=self._accept_loop, name="relay-link-accept", daemon=True).start()
 
     def _accept_loop(self) -> None:
@@ -108,27 +128,32 @@ class RelayLinkServer:
             if not self._hello(conn):
                 return
             rows_buffer = RowsBuffer()  # one request at a time on a connection: its rows are done with by the next
+            announced: _Announced | None = None  # an ANNOUNCE waiting for its rows (the only frame taken next)
             while not self._stopped:
                 conn.settimeout(None)
                 try:
-                    got = read_frame(conn, self._max_body, rows_into=rows_buffer, segment=segment)
+                    got = read_frame(conn, self._max_body - (announced.body_bytes if announced else 0),
+                                     rows_into=rows_buffer, segment=segment)
                 except LinkError as err:
                     self._refuse(conn, err.code, str(err))
                     return
                 if got is None:
-                    return
+                    return  # an announced request whose rows never came is dropped with its connection
                 kind, _, seconds, body, rows = got
+                if (problem := self._out_of_order(kind, rows, announced)) is not None:
+                    self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, f"relay link: {problem}")
+                    return
                 if kind == SHM:
                     segment = self._accept_segment(conn, body, segment)
-                    continue
-                if kind not in (REQUEST, REQUEST_SHM):
-                    self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, f"relay link: frame kind {kind} where a "
-                                 "request was expected")
-                    return
-                if kind == REQUEST_SHM:
+                elif kind == ANNOUNCE:
+                    announced = self._announce(body)  # parsed and prepared while its rows are computed
+                else:
                     with self._lock:
-                        self.shm_requests += 1
-                self._reply(conn, body, rows, seconds)
+                        self.requests += 1
+                        self.shm_requests += kind in IN_SEGMENT
+                        self.announced += announced is not None
+                    self._reply(conn, body, rows, seconds, announced)
+                    announced = None
         except (OSError, ValueError) as err:  # the peer went away, a TLS failure, a handshake timeout
             log.debug("relay link: connection ended: %s", err)
         except Exception:  # noqa: BLE001 - a bug costs this connection, never the station
@@ -156,7 +181,7 @@ class RelayLinkServer:
         if kind != HELLO or not hmac.compare_digest(bytes(body), self._token):
             self._refuse(conn, grpc.StatusCode.UNAUTHENTICATED, "relay link: missing or wrong cluster token")
             return False
-        conn.sendall(frame(REPLY))
+        conn.sendall(frame(REPLY, FEATURES if self._prepare is not None else b""))
         return True
 
     def _accept_segment(self, conn: socket.socket, offer: bytearray, held: RowsSegment | None) -> RowsSegment | None:
@@ -173,19 +198,45 @@ class RelayLinkServer:
         conn.sendall(frame(REPLY))
         return segment
 
-    def _reply(self, conn: socket.socket, body: bytearray, rows: bytearray | memoryview | None, seconds: float) -> None:
-        """Answer one REQUEST (its body, the hidden rows' bytes where they came beside it) on `conn`."""
-        self._wire.add("in", len(body) + (len(rows) if rows is not None else 0))
-        with self._lock:
-            self.requests += 1
+    def _out_of_order(self, kind: int, rows: bytearray | memoryview | None, announced: _Announced | None) -> str | None:
+        """What is wrong with a frame of `kind` at this point of a connection (None: it may come now)."""
+        if announced is not None:
+            if kind not in (ROWS, ROWS_SHM):
+                return f"frame kind {kind} where the announced request's rows were expected"
+            return None
+        if kind == ANNOUNCE and self._prepare is not None:
+            return None if rows is None else "an ANNOUNCE frame carries no rows"
+        return None if kind in (SHM, REQUEST, REQUEST_SHM) else f"frame kind {kind} where a request was expected"
+
+    def _announce(self, body: bytearray) -> _Announced:
+        """An ANNOUNCE's request, parsed and prepared (a body that does not parse is answered once its rows come)."""
         try:
             request = pb.ForwardRequest.FromString(body)
+        except DecodeError:
+            return _Announced(None, None, len(body))
+        return _Announced(request, self._prepare(request), len(body))
+
+    def _reply(self, conn: socket.socket, body: bytearray, rows: bytearray | memoryview | None, seconds: float,
+               announced: _Announced | None) -> None:
+        """Answer one request on `conn`: a REQUEST (its body, the hidden rows' bytes where they came beside it), or
+        the `announced` one whose rows came (the body their dtype and shape)."""
+        self._wire.add("in", len(body) + (len(rows) if rows is not None else 0)
+                       + (announced.body_bytes if announced else 0))
+        try:
+            if announced is None:
+                request, prepared = pb.ForwardRequest.FromString(body), None
+            elif announced.request is None:
+                raise DecodeError("the announced request did not parse")
+            else:
+                request, prepared = announced.request, announced.prepared
+                request.hidden.ParseFromString(body)  # the rows' dtype and shape, whatever the announcement held
         except DecodeError as err:
             conn.sendall(frame(ERROR, f"request: not a valid protobuf message: {type(err).__name__}: {err}".encode(),
-                                status=grpc.StatusCode.INVALID_ARGUMENT.value[0]))
+                               status=grpc.StatusCode.INVALID_ARGUMENT.value[0]))
             return
         deadline = time.monotonic() + seconds if seconds > 0 else None
-        outcome = self._answer(request, lambda: None if deadline is None else deadline - time.monotonic(), rows)
+        outcome = self._answer(request, lambda: None if deadline is None else deadline - time.monotonic(), rows,
+                               prepared)
         if isinstance(outcome, tuple):
             code, message = outcome
             conn.sendall(frame(ERROR, message.encode(errors="replace"), status=code.value[0]))

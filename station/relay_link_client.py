@@ -1,5 +1,7 @@
 """The client side of a relay link (station.relay_link): a station's calls to its successor's link, over a pool of
 connections, each with a shared-memory segment for its rows where the successor shares this host (station.link_shm).
+A call is one request and its answer (`forward`), or a request announced before its rows exist (`announce`, then
+`complete` with the rows or `abandon`).
 """
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -14,9 +17,19 @@ from google.protobuf.message import DecodeError
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.transport import StationTls
 from station.interceptors import WireBytes
-from station.link_frames import (CODES, ERROR, HELLO, REPLY, REQUEST, REQUEST_SHM, SHM, LinkError, frame, read_frame,
-                                 send_frame, tls_context)
+from station.link_frames import (ANNOUNCE, CODES, ERROR, FEATURES, HELLO, REPLY, REQUEST, REQUEST_SHM, ROWS, ROWS_SHM,
+                                 SHM, LinkError, frame, read_frame, send_frame, tls_context)
 from station.link_shm import RowsSegment
+
+
+@dataclass(frozen=True, slots=True)
+class Announced:
+    """A request sent ahead of its rows (RelayLinkClient.announce): the connection it holds until they follow."""
+
+    conn: socket.socket
+    segment: RowsSegment | None
+    deadline: float  # time.monotonic() past which the answer is late
+    sent_bytes: int  # the message's bytes, counted with the rows'
 
 
 class RelayLinkClient:
@@ -38,6 +51,7 @@ class RelayLinkClient:
         self._idle: list[tuple[socket.socket, RowsSegment | None]] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._announces = False  # the station takes ANNOUNCE frames (its REPLY to HELLO says so)
 
     def _connect(self, deadline: float) -> tuple[socket.socket, RowsSegment | None]:
         """A new connection, past HELLO, and the shared-memory segment its station accepted (None: rows by TCP)."""
@@ -60,7 +74,7 @@ class RelayLinkClient:
             if self._ssl is not None:
                 conn = self._ssl.wrap_socket(conn, server_hostname=self._server_name)
             conn.sendall(self._hello)
-            self._expect_reply(conn, deadline)
+            self._announces = FEATURES in bytes(self._expect_reply(conn, deadline)).split(b",")
             return conn
         except BaseException:
             conn.close()
@@ -112,40 +126,99 @@ class RelayLinkClient:
         data = request.SerializeToString()
         conn = segment = None
         try:
-            with self._lock:
-                conn, segment = self._idle.pop() if self._idle else (None, None)
-            if conn is None:
-                conn, segment = self._connect(deadline)
-            conn.settimeout(max(1e-3, deadline - time.monotonic()))
-            seconds = max(1e-3, deadline - time.monotonic())
-            if segment is not None and rows is not None and rows.nbytes <= segment.size:
-                segment.write(rows)
-                conn.sendall(frame(REQUEST_SHM, data, seconds=seconds, rows_length=rows.nbytes))
-            else:
-                send_frame(conn, REQUEST, data, rows=rows, seconds=seconds)
-            self._wire.add("out", len(data) + (rows.nbytes if rows is not None else 0))
-            body = self._expect_reply(conn, deadline)
-            self._wire.add("in", len(body))
-            reply = pb.ForwardReply.FromString(body)
-        except (LinkError, OSError, ValueError, DecodeError) as err:  # the connection cannot be trusted after it
-            if conn is not None:
-                conn.close()
-            if segment is not None:
-                segment.close()
-            if isinstance(err, LinkError):
-                raise
-            if isinstance(err, TimeoutError):  # socket.timeout is TimeoutError
-                raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "relay link: no answer before the deadline") from None
-            raise LinkError(grpc.StatusCode.UNAVAILABLE, f"relay link: {type(err).__name__}: {err}") from None
+            conn, segment = self._take(deadline)
+            self._send(conn, segment, REQUEST, data, rows, deadline)
+            return self._answer(conn, segment, deadline, len(data) + (rows.nbytes if rows is not None else 0))
+        except (LinkError, OSError, ValueError, DecodeError) as err:
+            raise self._failed(conn, segment, err) from None
+
+    def announce(self, request: pb.ForwardRequest, timeout_s: float) -> Announced | None:
+        """Send `request` now, its hidden rows later (`complete`, or `abandon` where they never come): for a station
+        that announces its successor's message before its own step. None where this station does not take
+        announcements (an earlier build); LinkError as `forward`."""
+        deadline = time.monotonic() + timeout_s
+        conn = segment = None
+        try:
+            conn, segment = self._take(deadline)
+            if not self._announces:
+                self._give_back(conn, segment)
+                return None
+            data = request.SerializeToString()
+            conn.sendall(frame(ANNOUNCE, data, seconds=max(1e-3, deadline - time.monotonic())))
+            return Announced(conn, segment, deadline, len(data))
+        except (LinkError, OSError, ValueError) as err:
+            raise self._failed(conn, segment, err) from None
+
+    def complete(self, announced: Announced, header: pb.Tensor, rows: memoryview) -> pb.ForwardReply:
+        """Send the rows of an announced request (`header`: their dtype and shape) and return the station's reply;
+        LinkError as `forward`."""
+        conn, segment, deadline = announced.conn, announced.segment, announced.deadline
+        body = header.SerializeToString()
+        try:
+            self._send(conn, segment, ROWS, body, rows, deadline)
+            return self._answer(conn, segment, deadline, announced.sent_bytes + len(body) + rows.nbytes)
+        except (LinkError, OSError, ValueError, DecodeError) as err:
+            raise self._failed(conn, segment, err) from None
+
+    def abandon(self, announced: Announced) -> None:
+        """The rows of an announced request will not come (this station's step failed): close its connection, so
+        that the station drops the request."""
+        self._close(announced.conn, announced.segment)
+
+    def _take(self, deadline: float) -> tuple[socket.socket, RowsSegment | None]:
+        """An idle connection of the pool, or a new one."""
+        with self._lock:
+            conn, segment = self._idle.pop() if self._idle else (None, None)
+        if conn is None:
+            conn, segment = self._connect(deadline)
+        conn.settimeout(max(1e-3, deadline - time.monotonic()))
+        return conn, segment
+
+    @staticmethod
+    def _send(conn: socket.socket, segment: RowsSegment | None, kind: int, body: bytes, rows: memoryview | None,
+              deadline: float) -> None:
+        """Send a REQUEST or ROWS frame: its rows through the segment where they fit (REQUEST_SHM, ROWS_SHM), else in
+        the stream."""
+        seconds = max(1e-3, deadline - time.monotonic())
+        if segment is not None and rows is not None and rows.nbytes <= segment.size:
+            segment.write(rows)
+            conn.sendall(frame(REQUEST_SHM if kind == REQUEST else ROWS_SHM, body, seconds=seconds,
+                               rows_length=rows.nbytes))
+        else:
+            send_frame(conn, kind, body, rows=rows, seconds=seconds)
+
+    def _answer(self, conn: socket.socket, segment: RowsSegment | None, deadline: float, sent_bytes: int
+                ) -> pb.ForwardReply:
+        """The station's answer to the request just sent; the connection back to the pool."""
+        self._wire.add("out", sent_bytes)
+        body = self._expect_reply(conn, deadline)
+        self._wire.add("in", len(body))
+        reply = pb.ForwardReply.FromString(body)
+        self._give_back(conn, segment)
+        return reply
+
+    def _give_back(self, conn: socket.socket, segment: RowsSegment | None) -> None:
+        """Keep a connection whose exchange is over for the next call (closed past `max_idle`)."""
         with self._lock:
             if not self._closed and len(self._idle) < self._max_idle:
                 self._idle.append((conn, segment))
-                conn = None
+                return
+        self._close(conn, segment)
+
+    def _close(self, conn: socket.socket, segment: RowsSegment | None) -> None:
+        conn.close()
+        if segment is not None:
+            segment.close()
+
+    def _failed(self, conn: socket.socket | None, segment: RowsSegment | None, err: Exception) -> LinkError:
+        """Close a connection that cannot be trusted after `err` and say what the failure stands for."""
         if conn is not None:
-            conn.close()
-            if segment is not None:
-                segment.close()
-        return reply
+            self._close(conn, segment)
+        if isinstance(err, LinkError):
+            return err
+        if isinstance(err, TimeoutError):  # socket.timeout is TimeoutError
+            return LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "relay link: no answer before the deadline")
+        return LinkError(grpc.StatusCode.UNAVAILABLE, f"relay link: {type(err).__name__}: {err}")
 
     def close(self) -> None:
         """Close the idle connections (a call in progress closes its own when it ends)."""
@@ -153,6 +226,4 @@ class RelayLinkClient:
             self._closed = True
             idle, self._idle = self._idle, []
         for conn, segment in idle:
-            conn.close()
-            if segment is not None:
-                segment.close()
+            self._close(conn, segment)

@@ -123,8 +123,8 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
     link = None  # bound after gRPC's port, so a failed bind leaves nothing listening
     if relay_link:
         try:
-            link = RelayLinkServer(host, servicer.forward_answer, token=token, tls=tls, max_message_bytes=size,
-                                   wire=wire)
+            link = RelayLinkServer(host, servicer.forward_answer, prepare=servicer.prepare_forward, token=token,
+                                   tls=tls, max_message_bytes=size, wire=wire)
         except OSError as err:
             raise OSError(f"station relay link: cannot bind {host}: {err}") from err
         servicer.relay_port = link.port

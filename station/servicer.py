@@ -30,7 +30,7 @@ from mesh.core.config import DTYPE_BYTES, ConfigError, is_int
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
 from mesh.core.wave import StationOutput, WaveEntry
-from mesh.core.wire import decode_forward, decode_relay, decode_steps, samples_to_proto
+from mesh.core.wire import decode_entries, decode_forward, decode_relay, decode_steps, samples_to_proto
 from mesh.core.wire_tensor import WireError, tensor_to_proto
 from mesh.core.wire_kv import MAX_COPY_BYTES, decode_export, decode_import
 from station.interceptors import WireBytes
@@ -138,27 +138,38 @@ class StationServicer(station_pb2_grpc.StationServicer):
         reply.served_seconds = time.perf_counter() - started
         return reply
 
+    def prepare_forward(self, request: pb.ForwardRequest) -> tuple[WaveEntry, ...] | None:
+        """An announced request's entries, decoded before its rows come (station.relay_link); None where they do not
+        decode (`forward` then raises what is wrong)."""
+        try:
+            return decode_entries(request, max_entries=self.limits.max_entries, max_rows=self.limits.max_rows)
+        except WireError:
+            return None
+
     def forward_answer(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None],
-                       hidden_data: bytearray | memoryview | None = None
+                       hidden_data: bytearray | memoryview | None = None, entries: object = None
                        ) -> pb.ForwardReply | tuple[grpc.StatusCode, str]:
-        """Forward for a relay link (station.relay_link): the reply, or the status code and message of its failure."""
+        """Forward for a relay link (station.relay_link): the reply, or the status code and message of its failure;
+        `entries`: what `prepare_forward` made of an announced request."""
         started = time.perf_counter()
         try:
-            reply = self.forward(request, time_remaining, hidden_data)
+            reply = self.forward(request, time_remaining, hidden_data, entries)
         except Exception as err:  # noqa: BLE001 - failure_status maps every class, a bug to INTERNAL
             return failure_status(err, "Forward")
         reply.served_seconds = time.perf_counter() - started
         return reply
 
     def forward(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None],
-                hidden_data: bytearray | memoryview | None = None) -> pb.ForwardReply:
+                hidden_data: bytearray | memoryview | None = None, entries: tuple[WaveEntry, ...] | None = None
+                ) -> pb.ForwardReply:
         """The step (and relay) of one Forward request; `time_remaining()`: seconds left of the caller's deadline
-        (None: no deadline); `hidden_data`: the hidden rows' bytes where they came beside the request. Raises what
-        `failure_status` maps."""
+        (None: no deadline); `hidden_data`: the hidden rows' bytes where they came beside the request; `entries`: its
+        entries where they were decoded ahead (`prepare_forward`). Raises what `failure_status` maps."""
         st = self.station
         _, entries, token_ids, hidden = decode_forward(
             request, hidden_size=st.config.hidden_size, dtype=st.spec.dtype, vocab_size=st.config.vocab_size,
-            max_entries=self.limits.max_entries, max_rows=self.limits.max_rows, hidden_data=hidden_data)
+            max_entries=self.limits.max_entries, max_rows=self.limits.max_rows, hidden_data=hidden_data,
+            entries=entries)
         relay_to, steps = decode_relay(request), decode_steps(request)
         if relay_to and (self.successors is None or st.spec.end >= st.config.num_hidden_layers):
             raise WireError("relay_to: this station cannot relay (it holds the last layer, or serves no relays)")
@@ -169,10 +180,15 @@ class StationServicer(station_pb2_grpc.StationServicer):
             return self.successors.relay_steps(
                 request.wave_id, entries, token_ids, steps, relay_to, self._one_step, time_remaining,
                 block_tokens=self._block_tokens(), vocab_size=st.config.vocab_size)
+        if relay_to:  # the successor decodes the onward request while this station computes the rows
+            announced = self.successors.announce(request.wave_id, request.entries, relay_to, time_remaining())
+            out, kv = self.successors.unless_failed(announced, lambda: self._exclusive(lambda: (
+                st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps), kv_usage_proto(st))))
+            # outside the station lock: the next wave computes while the successors run this one
+            return self.successors.relay(request.wave_id, request.entries, relay_to, out, kv, time_remaining(),
+                                         announced)
         out, kv = self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps),
                                            kv_usage_proto(st)))
-        if relay_to:  # outside the station lock: the next wave computes while the successors run this one
-            return self.successors.relay(request.wave_id, request.entries, relay_to, out, kv, time_remaining())
         if out.hidden is not None:
             reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv)
             tensor_to_proto(out.hidden, into=reply.hidden)

@@ -177,16 +177,9 @@ def encode_forward(wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequen
     return req
 
 
-def decode_forward(
-    msg: pb.ForwardRequest, *, hidden_size: int, dtype: str, vocab_size: int, max_entries: int, max_rows: int,
-    hidden_data: bytearray | memoryview | None = None,
-) -> tuple[int, tuple[WaveEntry, ...], torch.Tensor | None, torch.Tensor | None]:
-    """Validate a ForwardRequest against a station's shape and limits.
-
-    Returns (wave_id, entries, token_ids [T] int64 or None, hidden [T, hidden_size] or None),
-    where T is the sum of the entries' n_tokens; exactly one of the two payloads is set. `hidden_data`: the hidden
-    rows' bytes where they came beside the message (a relay link's frame), `hidden.data` then empty.
-    """
+def decode_entries(msg: pb.ForwardRequest, *, max_entries: int, max_rows: int) -> tuple[WaveEntry, ...]:
+    """A ForwardRequest's entries, validated against a station's limits (the part of `decode_forward` that needs no
+    payload: a relay link decodes it as soon as a request is announced)."""
     n = len(msg.entries)
     if n == 0:
         raise WireError("entries: a wave needs at least one entry")
@@ -196,6 +189,23 @@ def decode_forward(
     rows = sum(e.n_tokens for e in entries)
     if rows > max_rows:
         raise WireError(f"entries: {rows} rows (sum of n_tokens) exceeds max_rows {max_rows}")
+    return entries
+
+
+def decode_forward(
+    msg: pb.ForwardRequest, *, hidden_size: int, dtype: str, vocab_size: int, max_entries: int, max_rows: int,
+    hidden_data: bytearray | memoryview | None = None, entries: tuple[WaveEntry, ...] | None = None,
+) -> tuple[int, tuple[WaveEntry, ...], torch.Tensor | None, torch.Tensor | None]:
+    """Validate a ForwardRequest against a station's shape and limits.
+
+    Returns (wave_id, entries, token_ids [T] int64 or None, hidden [T, hidden_size] or None),
+    where T is the sum of the entries' n_tokens; exactly one of the two payloads is set. `hidden_data`: the hidden
+    rows' bytes where they came beside the message (a relay link's frame), `hidden.data` then empty; `entries`:
+    what `decode_entries` returned for this message, where it was decoded ahead of its rows.
+    """
+    if entries is None:
+        entries = decode_entries(msg, max_entries=max_entries, max_rows=max_rows)
+    rows = sum(e.n_tokens for e in entries)
     payload = msg.WhichOneof("payload")
     if payload is None:
         raise WireError("payload: missing; expected token_ids or hidden")
