@@ -60,7 +60,7 @@ def test_a_chain_on_one_host_relays_its_rows_through_shared_memory(tiny_llama, r
         try:
             assert _run(tiny_llama, servers, "direct", prompts, params)[0] == ref
             links = [s.relay_link for s in servers[1:]]
-            assert all(link.requests > 0 for link in links)
+            assert all(link.requests > 0 and link.announced == link.requests for link in links)  # test_link_announce
             assert [link.shm_requests for link in links] == [link.requests if shm else 0 for link in links]
             assert _segments_left() == []
         finally:
