@@ -10,7 +10,7 @@ A frame is a fixed header and a body:
     REQUEST client -> station: a ForwardRequest; `seconds` is the time left of the caller's own deadline. Its
             hidden rows' bytes may follow the message as the frame's rows (the message's `hidden` then holds their
             dtype and shape, its data empty), so that neither side copies a MiB into and out of protobuf
-    REPLY   station -> client: a ForwardReply (to HELLO: empty, the token was accepted)
+    REPLY   station -> client: a ForwardReply (to HELLO: the token was accepted, the body FEATURES or empty)
     ERROR   station -> client: `status` is the gRPC status code, the body its UTF-8 message
     SHM     client -> station, at most once per connection after HELLO: the offer of a shared-memory segment
             (station.link_shm); REPLY accepts it, ERROR (FAILED_PRECONDITION) declines and the connection goes on
@@ -63,7 +63,7 @@ class LinkError(Exception):
 
 def frame(kind: int, body: bytes = b"", *, status: int = 0, seconds: float = 0.0, rows_length: int = 0) -> bytes:
     """One frame without rows in the stream as bytes (header and body joined: for the small ones); `rows_length`:
-    the rows a REQUEST_SHM has in its segment."""
+    the rows a REQUEST_SHM or ROWS_SHM has in its segment."""
     return HEADER.pack(MAGIC, VERSION, kind, status, len(body), rows_length, seconds) + body
 
 

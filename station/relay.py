@@ -34,7 +34,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -53,14 +52,6 @@ from station.relay_link_client import Announced, RelayLinkClient
 
 _R = TypeVar("_R")
 StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor], tuple[StationOutput, pb.KVUsage]]
-
-
-@dataclass(frozen=True, slots=True)
-class Announcement:
-    """A wave's onward request sent ahead of its rows over a successor's relay link (Successors.announce)."""
-
-    link: RelayLinkClient
-    sent: Announced
 
 
 class RelayError(RuntimeError):
@@ -173,51 +164,53 @@ class Successors:
             raise RelayError(grpc.StatusCode.UNAVAILABLE, f"relay to {address}: {err}") from None
 
     def announce(self, wave_id: int, entries: Sequence[pb.Entry], relay_to: tuple[str, ...],
-                 time_left_s: float | None) -> Announcement | None:
+                 time_left_s: float | None) -> Announced | None:
         """Send relay_to[0] the wave's onward request before this station computes its rows, where its relay link
         takes announcements (station.relay_link): it decodes the entries meanwhile. None where it does not, or the
         announcement could not be sent (`relay` then makes the whole call and reports any failure)."""
         successor = relay_to[0]
         timeout = self._timeout(time_left_s)
         onward = pb.ForwardRequest(wave_id=wave_id, entries=entries, relay_to=relay_to[1:])
+
+        def send() -> Announced | None:
+            link = self._link(successor, timeout)
+            return link.announce(onward, timeout) if link is not None else None
         try:
-            link = self._relayed(successor, lambda: self._link(successor, timeout))
-            sent = link.announce(onward, timeout) if link is not None else None
-        except (RelayError, LinkError):
+            return self._relayed(successor, send)
+        except RelayError:
             return None
-        return Announcement(link, sent) if sent is not None else None
 
     @staticmethod
-    def unless_failed(announcement: Announcement | None, step: Callable[[], _R]) -> _R:
+    def unless_failed(announcement: Announced | None, step: Callable[[], _R]) -> _R:
         """Run this station's `step`; where it fails, abandon the `announcement` made for its rows (the successor
         drops the announced request)."""
         try:
             return step()
         except BaseException:
             if announcement is not None:
-                announcement.link.abandon(announcement.sent)
+                announcement.client.abandon(announcement)
             raise
 
     def _timeout(self, time_left_s: float | None) -> float:
         return self._default_timeout_s if time_left_s is None else max(0.0, time_left_s)
 
     def relay(self, wave_id: int, entries: Sequence[pb.Entry], relay_to: tuple[str, ...], out: StationOutput,
-              kv: pb.KVUsage, time_left_s: float | None, announcement: Announcement | None = None
+              kv: pb.KVUsage, time_left_s: float | None, announcement: Announced | None = None
               ) -> pb.ForwardReply:
         """Send `out.hidden` for the wave's `entries` to relay_to[0] (with the rest of the list) within
         `time_left_s` (None: the caller set no deadline, use the default), and build this station's reply from
         the answer. `announcement`: the request was announced to relay_to[0] (`announce`): only the rows go now."""
         if out.hidden is None:
             if announcement is not None:
-                announcement.link.abandon(announcement.sent)
+                announcement.client.abandon(announcement)
             raise RelayError(grpc.StatusCode.INVALID_ARGUMENT,
                              "relay_to: this station samples (it holds the last layer); there is nothing to relay")
         successor = relay_to[0]
         t0 = time.perf_counter()
         if announcement is not None:
-            link, sent, hidden = announcement.link, announcement.sent, out.hidden
-            answer = self._relayed(successor, lambda: link.complete(sent, tensor_header(hidden),
-                                                                    tensor_bytes(hidden)))
+            sent, hidden = announcement, out.hidden
+            answer = self._relayed(successor, lambda: sent.client.complete(sent, tensor_header(hidden),
+                                                                           tensor_bytes(hidden)))
         else:
             onward = pb.ForwardRequest(wave_id=wave_id, entries=entries, relay_to=relay_to[1:])
             answer = self._call(successor, onward, out.hidden, self._timeout(time_left_s))

@@ -24,8 +24,10 @@ from station.link_shm import RowsSegment
 
 @dataclass(frozen=True, slots=True)
 class Announced:
-    """A request sent ahead of its rows (RelayLinkClient.announce): the connection it holds until they follow."""
+    """A request sent ahead of its rows (RelayLinkClient.announce): the client and connection it holds until they
+    follow (`client.complete`, or `client.abandon`)."""
 
+    client: RelayLinkClient
     conn: socket.socket
     segment: RowsSegment | None
     deadline: float  # time.monotonic() past which the answer is late
@@ -145,7 +147,7 @@ class RelayLinkClient:
                 return None
             data = request.SerializeToString()
             conn.sendall(frame(ANNOUNCE, data, seconds=max(1e-3, deadline - time.monotonic())))
-            return Announced(conn, segment, deadline, len(data))
+            return Announced(self, conn, segment, deadline, len(data))
         except (LinkError, OSError, ValueError) as err:
             raise self._failed(conn, segment, err) from None
 
