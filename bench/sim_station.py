@@ -34,8 +34,9 @@ BLOCK_TOKENS = 16
 
 class ModelledWait:
     """Waits out a modelled step so that it lasts its modelled time on average: a plain sleep wakes late (the
-    kernel's timer slack and the wake-up, ~0.15 ms a step on this project's VMs at rest, more under load), which
-    would make every SIMULATED station slower than its model says, the more so the more stations a wave passes.
+    kernel's timer slack and the wake-up: a 16 ms sleep 0.17 ms late on this project's VMs at rest, more under load;
+    bench/out/bench_scale_sim_s33.txt part 8), which would make every SIMULATED station slower than its model says,
+    the more so the more stations a wave passes.
     Each wait sleeps the modelled time less the lateness learned from the waits before it (a running average,
     never more than `max_early_s`); nothing spins."""
 
