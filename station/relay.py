@@ -170,11 +170,12 @@ class Successors:
         announcement could not be sent (`relay` then makes the whole call and reports any failure)."""
         successor = relay_to[0]
         timeout = self._timeout(time_left_s)
-        onward = pb.ForwardRequest(wave_id=wave_id, entries=entries, relay_to=relay_to[1:])
 
         def send() -> Announced | None:
             link = self._link(successor, timeout)
-            return link.announce(onward, timeout) if link is not None else None
+            if link is None:  # a gRPC successor: no onward request to build twice
+                return None
+            return link.announce(pb.ForwardRequest(wave_id=wave_id, entries=entries, relay_to=relay_to[1:]), timeout)
         try:
             return self._relayed(successor, send)
         except RelayError:

@@ -147,7 +147,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
             return None
 
     def forward_answer(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None],
-                       hidden_data: bytearray | memoryview | None = None, entries: object = None
+                       hidden_data: bytearray | memoryview | None = None, entries: tuple[WaveEntry, ...] | None = None
                        ) -> pb.ForwardReply | tuple[grpc.StatusCode, str]:
         """Forward for a relay link (station.relay_link): the reply, or the status code and message of its failure;
         `entries`: what `prepare_forward` made of an announced request."""
@@ -180,15 +180,16 @@ class StationServicer(station_pb2_grpc.StationServicer):
             return self.successors.relay_steps(
                 request.wave_id, entries, token_ids, steps, relay_to, self._one_step, time_remaining,
                 block_tokens=self._block_tokens(), vocab_size=st.config.vocab_size)
+        def step() -> tuple[StationOutput, pb.KVUsage]:
+            return self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps),
+                                            kv_usage_proto(st)))
         if relay_to:  # the successor decodes the onward request while this station computes the rows
             announced = self.successors.announce(request.wave_id, request.entries, relay_to, time_remaining())
-            out, kv = self.successors.unless_failed(announced, lambda: self._exclusive(lambda: (
-                st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps), kv_usage_proto(st))))
+            out, kv = self.successors.unless_failed(announced, step)
             # outside the station lock: the next wave computes while the successors run this one
             return self.successors.relay(request.wave_id, request.entries, relay_to, out, kv, time_remaining(),
                                          announced)
-        out, kv = self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps),
-                                           kv_usage_proto(st)))
+        out, kv = step()
         if out.hidden is not None:
             reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv)
             tensor_to_proto(out.hidden, into=reply.hidden)
