@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="waves in flight beyond one per station (SchedulerConfig.extra_waves), every config")
     p.add_argument("--decode-steps", type=int, default=SchedulerConfig().decode_steps,
                    help="scheduler.decode_steps: decode steps per wave call once only decodes run")
+    p.add_argument("--reply-steps", type=int, default=SchedulerConfig().reply_steps,
+                   help="scheduler.reply_steps: decode steps per streamed reply of such a call (0: one per call)")
     p.add_argument("--repeats", type=int, help="repeats of every point, median (default 3)")
     p.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
     p.add_argument("--station-cpus", type=float, help="num_cpus of every station (default: cores // stations)")
@@ -205,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig.from_dir(model_dir)
     sched = SchedulerConfig(max_seqs=args.max_seqs, max_wave_tokens=max(512, args.max_seqs),
                             max_queue=max(256, *args.concurrency), extra_waves=args.extra_waves,
-                            hidden_path=args.hidden_path, decode_steps=args.decode_steps)
+                            hidden_path=args.hidden_path, decode_steps=args.decode_steps,
+                            reply_steps=args.reply_steps)
     log(f"model {model_dir} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {args.dtype}, cpu); "
         f"configs {args.configs}; K {args.concurrency}; prompt {args.prompt}, {args.tokens} tokens; "
         f"{args.repeats} repeats")

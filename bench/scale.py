@@ -42,7 +42,7 @@ from scale_figures import even_split, merge_rounds, scaling_verdict, sim_limit
 from scale_points import TOKEN, log, relay_flags, run_point, start_stations, stop_stations  # noqa: F401 (TOKEN: tests)
 from sim_station import SimModel
 
-from mesh.core.config import ModelConfig
+from mesh.core.config import ModelConfig, SchedulerConfig
 
 def sim_model_config(sim: SimModel) -> ModelConfig:
     """The orchestrator's view of the SIMULATED model (shape only; nothing loads it)."""
@@ -77,7 +77,7 @@ def _simulated_round(args) -> list[dict]:
             prompts = [[1 + i % 1000] for i in range(args.k * p)]
             for path in (["hub"] if p == 1 else args.paths):
                 r = run_point(addresses, sim_model_config(sim), path, prompts, args.tokens, args.k, args.decode_steps,
-                              tuple(proc.pid for proc in procs))
+                              tuple(proc.pid for proc in procs), reply_steps=args.reply_steps)
                 r.pop("tokens")
                 r["limit"], r["limit_busy_pct"] = sim_limit(r, device_ms)
                 base = base or r["tok_s"]
@@ -114,12 +114,14 @@ def _real_chain(args, model_dir, n: int, claims: str) -> list[dict]:
     rows = []
     try:
         warm = [[1] + [(7 * j) % (cfg.vocab_size - 3) + 3 for j in range(31)]] * 2
-        run_point(addresses, cfg, args.paths[-1], warm, 4, 2, args.decode_steps)  # untimed: first-call costs
+        run_point(addresses, cfg, args.paths[-1], warm, 4, 2, args.decode_steps,
+                  reply_steps=args.reply_steps)  # untimed: first-call costs
         for k in args.real_k:
             prompts = [[1] + [(97 * i + 13 * j) % (cfg.vocab_size - 3) + 3 for j in range(31)] for i in range(k)]
             got = {path: run_point(addresses, cfg, path, prompts, args.tokens, k, args.decode_steps,
                                    tuple(proc.pid for proc in procs),
-                                   args.real_wave_tokens or max(k, 64 * max(args.real_stations)))
+                                   args.real_wave_tokens or max(k, 64 * max(args.real_stations)),
+                                   reply_steps=args.reply_steps)
                    for path in args.paths}
             digests = {path: hashlib.sha256(json.dumps(r.pop("tokens")).encode()).hexdigest()[:12]
                        for path, r in got.items()}
@@ -143,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=8192)
     p.add_argument("--num-layers", type=int, default=80)
     p.add_argument("--tokens", type=int, default=128, help="tokens per request (128: the steady state outweighs the pipeline's fill and drain)")
-    p.add_argument("--decode-steps", type=int, default=4,
+    p.add_argument("--decode-steps", type=int, default=SchedulerConfig().decode_steps,
                    help="scheduler.decode_steps: decode steps per wave call once only decodes run")
+    p.add_argument("--reply-steps", type=int, default=SchedulerConfig().reply_steps,
+                   help="scheduler.reply_steps: decode steps per streamed reply of such a call (0: one per call)")
     p.add_argument("--real-stations", type=ints, default=[2, 3])
     p.add_argument("--real-k", type=ints, default=[16, 32])
     p.add_argument("--real-device", default="cpu", help="the real stations' device (cuda: every station on one GPU)")

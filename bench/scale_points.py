@@ -37,6 +37,16 @@ class TimedLink(RemoteLink):
         self.hop_seconds.append((time.perf_counter() - t0 - reply.served_seconds) / steps)
         return reply.output
 
+    def forward_steps(self, wave_id, entries, token_ids, steps, reply_steps):
+        """Several decode steps on a lone station, their samples streamed back every `reply_steps` (hub path); each
+        part's transfer cost per step noted."""
+        t0 = time.perf_counter()
+        for reply in self.relay_steps(wave_id, entries, token_ids, steps, reply_steps):
+            now = time.perf_counter()
+            self.hop_seconds.append((now - t0 - reply.served_seconds) / (len(reply.output.samples) // len(entries)))
+            t0 = now
+            yield reply.output
+
 
 def relay_flags(args: argparse.Namespace) -> list[str]:
     """The station processes' relay flags: direct hops over relay links, their rows through shared memory on one
@@ -76,13 +86,14 @@ def stop_stations(procs: list[subprocess.Popen]) -> None:
 
 
 def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k: int, decode_steps: int = 4,
-              station_pids: tuple[int, ...] = (), wave_tokens: int = 0) -> dict:
+              station_pids: tuple[int, ...] = (), wave_tokens: int = 0, reply_steps: int = 0) -> dict:
     """K-per-wave requests through an engine over `addresses` on `path`; wall, CPU (this process's and the station
     processes' `station_pids`), bytes, hops, token ids. `wave_tokens` (0: max(K, 64 per station)) is
     scheduler.max_wave_tokens."""
     links = [TimedLink(a, timeout_s=120, token=TOKEN) for a in addresses]
     sched = SchedulerConfig(max_seqs=len(prompts), max_wave_tokens=wave_tokens or max(len(prompts), 64 * len(addresses)),
-                            max_queue=len(prompts), hidden_path=path, decode_steps=decode_steps)
+                            max_queue=len(prompts), hidden_path=path, decode_steps=decode_steps,
+                            reply_steps=reply_steps)
     engine = Engine(links, model, sched)
     freeze_long_lived()  # as a serving process does once it is up (mesh/core/long_lived.py)
     try:

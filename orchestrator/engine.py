@@ -213,8 +213,9 @@ class Engine(RouteSwitching, RouteRecovery):
         pipeline.close()
 
     # ---- wave loop ---------------------------------------------------------------------------
-    def _on_wave_done(self, plan: WavePlan, samples, error: BaseException | None) -> None:
-        self._inbox.put((plan, samples, error))
+    def _on_wave_done(self, plan: WavePlan, samples, error: BaseException | None, first_step: int = 0) -> None:
+        """A wave's samples (from step `first_step` on: a several-step wave's may come back in parts) or failure."""
+        self._inbox.put((plan, samples, error, first_step))
 
     def _run(self) -> None:
         while (item := self._inbox.get()) is not _STOP:
@@ -223,8 +224,10 @@ class Engine(RouteSwitching, RouteRecovery):
                     self._catchup_wave_done(item[0], item[2])
                     self._lock.notify_all()  # the route switch waits on the catch-up's progress
                 elif item is not _WAKE:
-                    self._in_flight -= 1
-                    self._finish_wave(*item)
+                    plan, samples, error, first_step = item
+                    lands = error is not None or first_step + len(samples) // len(plan.entries) >= plan.steps
+                    self._in_flight -= lands  # a part before a wave's last step leaves it in flight
+                    self._finish_wave(plan, samples, error, first_step, lands)
                     self._lock.notify_all()  # idle waits: a wave came back, requests may have ended
                 self._fill()
                 self._fill_catchup()
@@ -252,8 +255,9 @@ class Engine(RouteSwitching, RouteRecovery):
                         stream.cached_tokens = cached
             self.pipeline.submit(plan)
 
-    def _finish_wave(self, plan: WavePlan, samples, error: BaseException | None) -> None:
-        sent = self._sent.pop(plan.wave_id, None)
+    def _finish_wave(self, plan: WavePlan, samples, error: BaseException | None, first_step: int = 0,
+                     lands: bool = True) -> None:
+        sent = self._sent.pop(plan.wave_id, None) if lands else None
         if error is not None:
             self.scheduler.abort_wave(plan)
             self._release(self.scheduler.take_releases())
@@ -266,7 +270,7 @@ class Engine(RouteSwitching, RouteRecovery):
             for e in plan.entries:
                 self._end(e.seq_id, "error", f"station failed: {error}")
             return
-        result = self.scheduler.commit(plan, samples)
+        result = self.scheduler.commit(plan, samples, first_step)
         self._release(result.released)
         now = time.monotonic()
         if sent is not None:

@@ -16,13 +16,15 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
-from mesh.core.wave import SampledToken, StationOutput, WaveEntry
+from mesh.core.wave import StationOutput, WaveEntry
 from orchestrator.scheduler_types import WavePlan
+from station.step_replies import step_chunks
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,15 @@ class LocalLink:
         ids = torch.tensor(token_ids, dtype=torch.long) if token_ids is not None else None  # [T]
         return self.station.forward(entries, token_ids=ids, hidden=hidden, steps=steps)
 
+    def forward_steps(self, wave_id, entries, token_ids, steps: int, reply_steps: int) -> Iterator[StationOutput]:
+        """`steps` decode steps on the in-process station, one output per `reply_steps` of them as they are drawn
+        (what a station's ForwardSteps streams)."""
+        ids = torch.tensor(token_ids, dtype=torch.long)  # [K]
+        chunks = step_chunks(lambda e, t, n: (self.station.forward(e, token_ids=t, steps=n), None), entries, ids,
+                             steps, reply_steps, self.station.kv.block_tokens)
+        for out, _ in chunks:
+            yield out
+
     def release(self, seq_ids) -> None:
         """Free KV on the in-process station."""
         self.station.release(list(seq_ids))
@@ -156,6 +167,12 @@ def _forward_takes_steps(cls: type) -> bool:
         return False
 
 
+def streams_steps(link: StationLink, plan: WavePlan) -> bool:
+    """True when `plan` is a several-step wave whose samples come back in parts (`reply_steps`) and the link can
+    stream them (its `forward_steps`); else the call's samples come back at its end."""
+    return 0 < plan.reply_steps < plan.steps and callable(getattr(link, "forward_steps", None))
+
+
 def runs_steps(link: StationLink) -> bool:
     """True when the link's forward takes `steps` (several decode steps in one call), read from its class: a link
     class that overrides forward without it keeps one step per call."""
@@ -191,7 +208,9 @@ class Stop:
 
 
 InboxMessage = RunWave | Release | Barrier | Stop
-WaveDone = Callable[[WavePlan, "list[SampledToken | None] | None", "BaseException | None"], None]
+# (plan, samples, error[, first_step]): a wave's samples from step `first_step` on (several-step waves may stream
+# theirs back in parts, the last part landing the wave), or its failure
+WaveDone = Callable[..., None]
 
 
 def release_at(link: StationLink, seq_ids: tuple[int, ...], i: int, failed: list[int]) -> None:
@@ -281,6 +300,13 @@ class Pipeline:
         t0 = time.perf_counter()
         steps = {"steps": plan.steps} if plan.steps > 1 else {}  # only to links that take it (runs_steps)
         try:
+            if len(self.links) == 1 and streams_steps(self.links[0], plan):
+                step = 0
+                for out in self.links[0].forward_steps(plan.wave_id, plan.entries, list(plan.token_ids), plan.steps,
+                                                       plan.reply_steps):
+                    self.on_done(plan, out.samples, None, step)
+                    step += len(out.samples) // len(plan.entries)
+                return
             out = self.links[i].forward(plan.wave_id, plan.entries, list(plan.token_ids) if i == 0 else None,
                                         hidden, **steps)
         except BaseException as e:  # noqa: BLE001 - reported to the engine, which ends the wave

@@ -32,6 +32,7 @@ from orchestrator.pipeline import (
     Stop,
     WaveDone,
     release_at,
+    streams_steps,
 )
 from orchestrator.scheduler_types import WavePlan
 
@@ -140,22 +141,38 @@ class RelayPipeline:
 
     def _run_wave(self, plan: WavePlan) -> None:
         t0 = time.perf_counter()
+        step = 0
         try:
+            if streams_steps(self.links[0], plan):  # its samples come back in parts as they are drawn
+                for reply in self.links[0].relay_steps(plan.wave_id, plan.entries, list(plan.token_ids), plan.steps,
+                                                       plan.reply_steps, self.links[1:]):
+                    n = len(reply.output.samples) // len(plan.entries)
+                    t0 = self._note(reply, t0, n)
+                    self.on_done(plan, reply.output.samples, None, step)
+                    step += n
+                return
             reply = self.links[0].relay(plan.wave_id, plan.entries, list(plan.token_ids), self.links[1:],
                                         steps=plan.steps)
             if reply.output.samples is None:
                 raise StationDown(f"station {self.links[-1].address}: a relayed wave came back without samples")
         except BaseException as e:  # noqa: BLE001 - reported to the engine, which ends or replays the wave
-            self.on_done(plan, None, e)
+            self.on_done(plan, None, e, step)
             return
-        self.hop_seconds[0].append((time.perf_counter() - t0 - reply.served_seconds) / plan.steps)
+        self._note(reply, t0, plan.steps)
+        self.on_done(plan, reply.output.samples, None)
+
+    def _note(self, reply, t0: float, steps: int) -> float:
+        """Keep the transfer costs and busy times a reply of `steps` steps reports, its call (or part of a
+        streamed call) begun at `t0`; returns when it came."""
+        now = time.perf_counter()
+        self.hop_seconds[0].append((now - t0 - reply.served_seconds) / steps)
         self.busy_seconds[0] += reply.output.seconds
         served = [(reply.served_seconds, reply.output.seconds)] + [(h.served_seconds, h.forward_seconds)
                                                                    for h in reply.hops]
         onward = [h.call_seconds for h in reply.hops] + [0.0]
         for i, ((own, step), call) in enumerate(zip(served, onward)):
-            self.turn_seconds[i].append(max(0.0, own - step - call) / plan.steps)
+            self.turn_seconds[i].append(max(0.0, own - step - call) / steps)
         for i, hop in enumerate(reply.hops, start=1):
             self.busy_seconds[i] += hop.forward_seconds
-            self.hop_seconds[i].append((hop.call_seconds - hop.served_seconds) / plan.steps)
-        self.on_done(plan, reply.output.samples, None)
+            self.hop_seconds[i].append((hop.call_seconds - hop.served_seconds) / steps)
+        return now

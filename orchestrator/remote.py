@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import grpc
@@ -48,6 +48,27 @@ class RemoteLink:
         effect is then unknown: replay)."""
         reply = self._wave(lambda: self.client.relay(wave_id, entries, token_ids=token_ids,
                                                       relay_to=[s.address for s in successors], steps=steps))
+        return self._noted(successors, reply)
+
+    def forward_steps(self, wave_id, entries, token_ids, steps: int, reply_steps: int) -> Iterator[StationOutput]:
+        """`steps` decode steps of the wave on this station (holding every layer), one output per `reply_steps`
+        steps as their samples are drawn (`relay_steps` without successors)."""
+        for reply in self.relay_steps(wave_id, entries, token_ids, steps, reply_steps):
+            yield reply.output
+
+    def relay_steps(self, wave_id, entries, token_ids, steps: int, reply_steps: int,
+                    successors: Sequence[RemoteLink] = ()) -> Iterator[RelayReply]:
+        """`steps` decode steps of the wave at this (first) station, alone or relaying each step through
+        `successors`, one RelayReply per `reply_steps` steps as their samples are drawn (ForwardSteps); the
+        relayed KV reports update the successors' links. StationDown when any station failed the call, after
+        the replies that came before (their steps ran: they stand)."""
+        replies = self.client.forward_steps(wave_id, entries, token_ids, steps, reply_steps,
+                                            relay_to=[s.address for s in successors])
+        while (reply := self._wave(lambda: next(replies, None))) is not None:
+            yield self._noted(successors, reply)
+
+    def _noted(self, successors: Sequence[RemoteLink], reply: RelayReply) -> RelayReply:
+        """`reply`, its relayed stations' KV reports noted on their links (StationDown where one is malformed)."""
         try:
             for link, hop in zip(successors, reply.hops):
                 link.client.note_kv(hop.kv)

@@ -15,6 +15,7 @@ Where a sequence's station KV must be released:
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from mesh.core.config import SchedulerConfig
 from mesh.core.params import SamplingParams
@@ -33,6 +34,18 @@ __all__ = ["REFUSAL_REASONS", "AdmissionError", "CommitResult", "KVLimits", "Sch
            "TokenEvent", "WavePlan"]
 
 
+@dataclass(slots=True)
+class _Flight:
+    """A wave in flight: its plan, its decode rows, the prefix-cache names of the blocks it fills, and how far
+    its commits have come (a several-step wave whose samples stream back commits in parts)."""
+
+    plan: WavePlan
+    decode_rows: int
+    names: dict[int, list[bytes]]
+    steps_done: int = 0  # steps committed so far
+    later: int = 0  # tokens its steps after the first added
+
+
 class Scheduler(RouteMoves):
     """Plans ragged waves over live sequences and retires them from sampled tokens."""
 
@@ -44,7 +57,7 @@ class Scheduler(RouteMoves):
         self._ledger = self._new_ledger(limits)
         self._waiting = WaitingQueue(config.short_first, config.short_prompt_tokens, config.max_skips)
         self._seqs = SequenceTable()
-        self._in_flight: dict[int, tuple[WavePlan, int, dict[int, list[bytes]]]] = {}  # id -> (plan, decode rows, names)
+        self._in_flight: dict[int, _Flight] = {}  # by wave id
         self._pending_releases: list[int] = []
         self._next_wave_id = 0
         self._arrivals = 0
@@ -107,11 +120,13 @@ class Scheduler(RouteMoves):
         if not wave.entries:
             return None
         steps = wave.decode_steps(max_steps, self.limits.max_context, len(self._waiting), len(ready))
-        plan = WavePlan(tuple(wave.entries), tuple(wave.tokens), self._next_wave_id, tuple(wave.admitted), steps)
+        reply_steps = self.config.reply_steps if 0 < self.config.reply_steps < steps else 0
+        plan = WavePlan(tuple(wave.entries), tuple(wave.tokens), self._next_wave_id, tuple(wave.admitted), steps,
+                        reply_steps)
         self._next_wave_id += 1
         for entry in wave.entries:
             self._seqs[entry.seq_id].in_flight_wave = plan.wave_id
-        self._in_flight[plan.wave_id] = (plan, wave.decode_rows, wave.names)
+        self._in_flight[plan.wave_id] = _Flight(plan, wave.decode_rows, wave.names)
         return plan
 
     def _preempt(self, seq: Sequence) -> None:
@@ -145,67 +160,80 @@ class Scheduler(RouteMoves):
         out, self._pending_releases = tuple(self._pending_releases), []
         return out
 
-    def commit(self, plan: WavePlan, samples: list[SampledToken | None]) -> CommitResult:
-        """Apply a wave's sampled tokens (aligned with plan.entries): advance, stream, retire."""
-        record = self._in_flight.get(plan.wave_id)
-        if record is None or record[0] != plan:
+    def commit(self, plan: WavePlan, samples: list[SampledToken | None], first_step: int = 0) -> CommitResult:
+        """Apply a wave's sampled tokens (aligned with plan.entries, step-major): advance, stream, retire.
+
+        A several-step wave whose samples stream back commits in parts: `samples` then hold the steps from
+        `first_step` on, each part taking up where the one before ended, and the wave leaves flight with the part
+        holding its last step. A sequence that ends inside the wave stays in flight until then (its later steps'
+        samples dropped); its KV is released with that last part."""
+        flight = self._in_flight.get(plan.wave_id)
+        if flight is None or flight.plan != plan:
             raise ValueError(f"wave {plan.wave_id} is not in flight")
-        if len(samples) != len(plan.entries) * plan.steps:
-            raise ValueError(f"wave {plan.wave_id}: {len(samples)} samples for {len(plan.entries)} entries x "
-                             f"{plan.steps} steps")
-        for entry, sample in zip(plan.entries, samples):
+        k = len(plan.entries)
+        n = len(samples) // k
+        if n < 1 or n * k != len(samples) or first_step != flight.steps_done or first_step + n > plan.steps:
+            raise ValueError(f"wave {plan.wave_id}: {len(samples)} samples for {k} entries from step {first_step} "
+                             f"({flight.steps_done} of its {plan.steps} steps committed)")
+        for j, (entry, sample) in enumerate(zip(plan.entries * n, samples)):
             if entry.sample is not None and sample is None and self._seqs[entry.seq_id].finish_reason is None:
-                raise ValueError(f"wave {plan.wave_id}: seq {entry.seq_id} asked for a token and got none")
-        del self._in_flight[plan.wave_id]
-        names = record[2]
+                raise ValueError(f"wave {plan.wave_id}: seq {entry.seq_id} asked for a token at step "
+                                 f"{first_step + j // k} and got none")
         events: list[TokenEvent] = []
         finished: list[int] = []
-        released: list[int] = []
-        going: list[tuple[int, Sequence]] = []  # (entry index, sequence) still decoding after step 0
-        for i, (entry, sample) in enumerate(zip(plan.entries, samples)):
-            seq = self._seqs[entry.seq_id]
-            seq.in_flight_wave = None
-            filled = names.get(seq.seq_id, [])
-            self._ledger.computing(filled, -1)
-            if seq.status is SequenceStatus.FINISHED:  # cancelled / finished while in flight
-                self._drop(seq)
-                released.append(seq.seq_id)
-                continue
-            seq.num_computed = entry.end_pos
-            seq.history.append(entry.n_tokens)
-            self._ledger.name_blocks(seq, filled)
-            if entry.sample is not None and not self._take(seq, sample, events, finished, released):
-                going.append((i, seq))
-        later = 0  # tokens the later steps added
-        for step in range(1, plan.steps):  # later decode steps: each sequence until its stop
-            going = [(i, seq) for i, seq in going if seq.status is not SequenceStatus.FINISHED]
-            later += len(going)
-            for i, seq in going:
-                seq.num_computed += 1
-                seq.history.append(1)
-                self._take(seq, samples[step * len(plan.entries) + i], events, finished, released)
-        if plan.steps > 1 and self._ledger.prefix_cache:  # blocks the later steps filled, named now they are known
-            for _, seq in going:
+        if first_step == 0:
+            for entry, sample in zip(plan.entries, samples):
+                seq = self._seqs[entry.seq_id]
+                filled = flight.names.get(seq.seq_id, [])
+                self._ledger.computing(filled, -1)
+                if seq.status is SequenceStatus.FINISHED:  # cancelled / finished while in flight
+                    continue
+                seq.num_computed = entry.end_pos
+                seq.history.append(entry.n_tokens)
+                self._ledger.name_blocks(seq, filled)
+                if entry.sample is not None:
+                    self._take(seq, sample, events, finished)
+        for step in range(max(first_step, 1), first_step + n):  # later decode steps: each sequence until its stop
+            row = (step - first_step) * k
+            for i, entry in enumerate(plan.entries):
+                seq = self._seqs[entry.seq_id]
                 if seq.status is not SequenceStatus.FINISHED:
-                    self._ledger.name_blocks(seq, self._ledger.names_filled(seq, seq.num_computed))
-        self._counts.count_wave(len(plan.token_ids), len(plan.entries), record[1] + later,
-                                self.config.max_wave_tokens)
+                    flight.later += 1
+                    seq.num_computed += 1
+                    seq.history.append(1)
+                    self._take(seq, samples[row + i], events, finished)
+        flight.steps_done += n
+        released: list[int] = []
+        if flight.steps_done == plan.steps:
+            self._land(flight, released)
         return CommitResult(tuple(events), tuple(finished), tuple(released))
 
-    def _take(self, seq: Sequence, sample: SampledToken, events: list[TokenEvent], finished: list[int],
-              released: list[int]) -> bool:
-        """Append a sampled token to `seq` and its event; True when it ended the sequence (dropped, released)."""
+    def _land(self, flight: _Flight, released: list[int]) -> None:
+        """A wave's last step is committed: its sequences leave flight, those that ended are dropped (into
+        `released`), and the blocks its later steps filled are named for the prefix cache."""
+        plan = flight.plan
+        del self._in_flight[plan.wave_id]
+        for entry in plan.entries:
+            seq = self._seqs[entry.seq_id]
+            seq.in_flight_wave = None
+            if seq.status is SequenceStatus.FINISHED:
+                self._drop(seq)
+                released.append(seq.seq_id)
+            elif plan.steps > 1 and self._ledger.prefix_cache:  # blocks the later steps filled, named now
+                self._ledger.name_blocks(seq, self._ledger.names_filled(seq, seq.num_computed))
+        self._counts.count_wave(len(plan.token_ids), len(plan.entries), flight.decode_rows + flight.later,
+                                self.config.max_wave_tokens)
+
+    def _take(self, seq: Sequence, sample: SampledToken, events: list[TokenEvent], finished: list[int]) -> None:
+        """Append a sampled token to `seq` and its event; where it ends the sequence, mark it finished (its wave
+        drops it and releases its KV when it lands)."""
         seq.output_ids.append(sample.token_id)
         reason = self._stop_reason(seq, sample.token_id)
         events.append(TokenEvent(seq.seq_id, seq.request_id, sample.token_id, sample.logprob,
                                  tuple(sample.top_logprobs), reason))
-        if reason is None:
-            return False
-        self._end(seq, reason)
-        self._drop(seq)
-        finished.append(seq.seq_id)
-        released.append(seq.seq_id)
-        return True
+        if reason is not None:
+            self._end(seq, reason)
+            finished.append(seq.seq_id)
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.params
@@ -216,15 +244,16 @@ class Scheduler(RouteMoves):
         return None
 
     def abort_wave(self, plan: WavePlan) -> None:
-        """A wave failed: its sequences leave flight with num_computed unchanged (replanned later).
+        """A wave failed: its sequences leave flight with num_computed as its committed steps left it (replanned later).
         KV of those cancelled meanwhile is reported by take_releases()."""
-        record = self._in_flight.pop(plan.wave_id, None)
-        if record is None:
+        flight = self._in_flight.pop(plan.wave_id, None)
+        if flight is None:
             raise ValueError(f"wave {plan.wave_id} is not in flight")
-        for entry in record[0].entries:
+        for entry in flight.plan.entries:
             seq = self._seqs[entry.seq_id]
             seq.in_flight_wave = None
-            self._ledger.computing(record[2].get(seq.seq_id, []), -1)
+            if not flight.steps_done:  # a wave with steps committed gave its first step's blocks their names then
+                self._ledger.computing(flight.names.get(seq.seq_id, []), -1)
             if seq.status is SequenceStatus.FINISHED:
                 self._drop(seq)
                 self._pending_releases.append(seq.seq_id)

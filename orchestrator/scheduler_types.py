@@ -52,6 +52,7 @@ class WavePlan:
     wave_id: int
     admitted: tuple[tuple[int, int], ...] = ()  # (seq id, prompt tokens found in the prefix cache) of each admission
     steps: int = 1  # decode steps the station runs (> 1: every entry a sampled decode; its blocks cover them all)
+    reply_steps: int = 0  # steps per streamed reply of such a call (0 or >= steps: its samples come back at its end)
 
 
 @dataclass(frozen=True, slots=True)

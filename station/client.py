@@ -15,7 +15,7 @@ the client keeps the newest report (`kv_usage`), so KV figures need no Info call
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import grpc
@@ -117,11 +117,39 @@ class StationClient:
         `relay_to` (their KV and timings; none without relay_to) and the station's own time in the call."""
         request = encode_forward(wave_id, entries, token_ids, hidden, relay_to, steps)
         reply = self._call("Forward", self._stub.Forward, request)
+        return self._relay_reply(request, reply, entries, len(relay_to), steps)
+
+    def forward_steps(self, wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequence[int] | torch.Tensor,
+                      steps: int, reply_steps: int, relay_to: Sequence[str] = ()) -> Iterator[RelayReply]:
+        """`steps` decode steps of a wave at the first station (alone, or relaying each step through `relay_to`),
+        their samples streamed back as they are drawn (ForwardSteps): one RelayReply per `reply_steps` steps
+        (the last may hold fewer), samples step-major, with that chunk's hop reports and the station's own time
+        serving it. Raises StationCallError or WireError, possibly after some replies came (their steps stand);
+        a stream that ends before its last step raises WireError."""
+        request = encode_forward(wave_id, entries, token_ids, None, relay_to, steps, reply_steps)
+        stream = self._call("ForwardSteps", lambda r, **kw: iter(self._stub.ForwardSteps(r, **kw)), request)
+        done = 0
+        try:
+            while (reply := self._call("ForwardSteps", lambda r, **_: next(stream, None), request)) is not None:
+                n = min(reply_steps or steps, steps - done)
+                if n < 1:
+                    raise WireError(f"ForwardSteps: a reply after the last of the call's {steps} steps")
+                yield self._relay_reply(request if not done else None, reply, entries, len(relay_to), n)
+                done += n
+        finally:
+            stream.cancel()  # nothing once the stream has ended; else (a reply refused, the reader gone) ends it
+        if done != steps:
+            raise WireError(f"ForwardSteps: the stream ended after {done} of the call's {steps} steps")
+
+    def _relay_reply(self, request: pb.ForwardRequest | None, reply: pb.ForwardReply, entries: Sequence[WaveEntry],
+                     relayed: int, steps: int) -> RelayReply:
+        """A Forward reply (or one streamed reply of `steps` steps) checked and decoded; its bytes (and the
+        `request`'s, where given) counted."""
         with self._kv_lock:
-            self.forward_bytes[0] += request.ByteSize()
+            self.forward_bytes[0] += request.ByteSize() if request is not None else 0
             self.forward_bytes[1] += reply.ByteSize()
-        if len(reply.relayed) != len(relay_to):
-            raise WireError(f"relayed: {len(reply.relayed)} hop reports for {len(relay_to)} relayed stations")
+        if len(reply.relayed) != relayed:
+            raise WireError(f"relayed: {len(reply.relayed)} hop reports for {relayed} relayed stations")
         result = reply.WhichOneof("result")
         if result == "hidden":
             rows = wave_rows(tuple(entries))

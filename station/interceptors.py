@@ -14,6 +14,7 @@ from mesh.core.transport import check_token
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Station"].full_name  # "wavemesh.v1.Station"
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # method prefixes served without the cluster token
 FORWARD_METHOD = f"/{SERVICE_NAME}/Forward"
+FORWARD_STEPS_METHOD = f"/{SERVICE_NAME}/ForwardSteps"  # Forward's several-step variant, its replies streamed
 INFO_METHOD = f"/{SERVICE_NAME}/Info"
 
 
@@ -50,8 +51,16 @@ class WireBytes:
         return parse_counted, serialize_counted
 
 
+def _rewrapped(handler, behavior, request_deserializer, response_serializer):
+    """A method handler of `handler`'s kind (a unary or a reply-streaming call) with these parts."""
+    make = (grpc.unary_stream_rpc_method_handler if handler.unary_stream is not None
+            else grpc.unary_unary_rpc_method_handler)
+    return make(behavior, request_deserializer=request_deserializer, response_serializer=response_serializer)
+
+
 class CountForwardBytes(grpc.ServerInterceptor):
-    """Count every Forward request's and reply's bytes into `wire` (requests "in", replies "out")."""
+    """Count every Forward (and ForwardSteps) request's and reply's bytes into `wire` (requests "in", replies
+    "out")."""
 
     def __init__(self, wire: WireBytes) -> None:
         self._wire = wire
@@ -59,12 +68,14 @@ class CountForwardBytes(grpc.ServerInterceptor):
     def intercept_service(self, continuation, handler_call_details):
         """Wrap Forward's request parser and reply serializer; other methods pass untouched."""
         handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None or handler_call_details.method != FORWARD_METHOD:
+        if handler is None or handler_call_details.method not in (FORWARD_METHOD, FORWARD_STEPS_METHOD):
+            return handler
+        behavior = handler.unary_unary or handler.unary_stream
+        if behavior is None:
             return handler
         parse, serialize = self._wire.counting(handler.request_deserializer, handler.response_serializer,
                                                received="in", sent="out")
-        return grpc.unary_unary_rpc_method_handler(handler.unary_unary, request_deserializer=parse,
-                                                   response_serializer=serialize)
+        return _rewrapped(handler, behavior, parse, serialize)
 
 
 class TokenAuth(grpc.ServerInterceptor):
@@ -77,7 +88,12 @@ class TokenAuth(grpc.ServerInterceptor):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token "
                           "(metadata `authorization: Bearer <token>`)")
 
+        def deny_stream(request: bytes, context: grpc.ServicerContext):
+            deny(request, context)
+            yield from ()
+
         self._deny = grpc.unary_unary_rpc_method_handler(deny)  # no deserializer: the request is never decoded
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
 
     def intercept_service(self, continuation, handler_call_details):
         """Pass health checks and calls carrying the token; answer all others with the refusal."""
@@ -87,7 +103,7 @@ class TokenAuth(grpc.ServerInterceptor):
         given = given.encode() if isinstance(given, str) else bytes(given)
         if hmac.compare_digest(given, self._expected):
             return continuation(handler_call_details)
-        return self._deny
+        return self._deny_stream if handler_call_details.method == FORWARD_STEPS_METHOD else self._deny
 
 
 class StrictDecode(grpc.ServerInterceptor):
@@ -95,12 +111,13 @@ class StrictDecode(grpc.ServerInterceptor):
     Station's methods and the open health check alike."""
 
     def intercept_service(self, continuation, handler_call_details):
-        """Wrap the unary Station handlers so a parse failure reaches them as a refusal, not an exception."""
+        """Wrap the Station handlers taking one request so a parse failure reaches them as a refusal, not an
+        exception."""
         handler = continuation(handler_call_details)
-        if (handler is None or handler.unary_unary is None
+        if (handler is None or (handler.unary_unary is None and handler.unary_stream is None)
                 or not handler_call_details.method.startswith((f"/{SERVICE_NAME}/", *OPEN_SERVICES))):
             return handler
-        parse, behavior = handler.request_deserializer, handler.unary_unary
+        parse = handler.request_deserializer
 
         def safe_parse(data: bytes) -> object:
             try:
@@ -108,13 +125,20 @@ class StrictDecode(grpc.ServerInterceptor):
             except DecodeError as err:  # a bad varint or length, invalid UTF-8 in a string, ...
                 return _Malformed(f"{type(err).__name__}: {err}")
 
-        def guarded(request, context: grpc.ServicerContext):
+        def refuse_malformed(request, context: grpc.ServicerContext) -> None:
             if isinstance(request, _Malformed):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid protobuf message: {request}")
-            return behavior(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(guarded, request_deserializer=safe_parse,
-                                                   response_serializer=handler.response_serializer)
+        def guarded(request, context: grpc.ServicerContext):
+            refuse_malformed(request, context)
+            return handler.unary_unary(request, context)
+
+        def guarded_stream(request, context: grpc.ServicerContext):
+            refuse_malformed(request, context)
+            yield from handler.unary_stream(request, context)
+
+        behavior = guarded if handler.unary_unary is not None else guarded_stream
+        return _rewrapped(handler, behavior, safe_parse, handler.response_serializer)
 
 
 class _Malformed(str):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import grpc
@@ -49,6 +49,7 @@ from station.interceptors import FORWARD_METHOD, INFO_METHOD, WireBytes
 from station.link_frames import LinkError
 from station.link_shm import SEGMENT_BYTES
 from station.relay_link_client import Announced, RelayLinkClient
+from station.step_replies import merge_step_replies
 
 _R = TypeVar("_R")
 StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor], tuple[StationOutput, pb.KVUsage]]
@@ -230,15 +231,23 @@ class Successors:
     def relay_steps(self, wave_id: int, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, steps: int,
                     relay_to: tuple[str, ...], run_step: StepRunner, time_left_s: Callable[[], float | None], *,
                     block_tokens: int, vocab_size: int) -> pb.ForwardReply:
-        """`steps` decode steps of a wave at the first station of a chain: each step runs here (`run_step`:
-        this station's step and KV report, under its lock), goes through `relay_to` as a one-step wave, and
-        the samples that come back are the next step's token ids. The reply holds the samples step-major, one
-        RelayHop per relayed station (seconds summed over the steps, the last step's KV) and the steps' own
-        seconds. Any step that fails fails the call: the wave's effect is then unknown, as for one step."""
+        """`steps` decode steps of a wave at the first station of a chain (`relay_step_replies`), as one reply: the
+        samples step-major, one RelayHop per relayed station (seconds summed over the steps, the last step's KV)
+        and the steps' own seconds. Any step that fails fails the call: the wave's effect is then unknown, as for
+        one step."""
+        return merge_step_replies(self.relay_step_replies(wave_id, entries, token_ids, steps, relay_to, run_step,
+                                                          time_left_s, block_tokens=block_tokens,
+                                                          vocab_size=vocab_size))
+
+    def relay_step_replies(self, wave_id: int, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, steps: int,
+                           relay_to: tuple[str, ...], run_step: StepRunner, time_left_s: Callable[[], float | None],
+                           *, block_tokens: int, vocab_size: int) -> Iterator[pb.ForwardReply]:
+        """`steps` decode steps of a wave at the first station of a chain, one reply per step as its samples come
+        back: each step runs here (`run_step`: this station's step and KV report, under its lock), goes through
+        `relay_to` as a one-step wave, and the samples that come back are the next step's token ids. Each reply
+        holds the step's samples, this station's seconds and KV and one RelayHop per relayed station."""
         if (problem := decode_steps_problem(entries, steps, block_tokens)) is not None:
             raise WireError(problem)
-        reply = pb.ForwardReply(forward_seconds=0.0)
-        hops: list[pb.RelayHop] = []
         for k in range(steps):
             step = decode_step_entries(entries, k, block_tokens)
             onward = entries_to_proto(step)
@@ -250,19 +259,7 @@ class Successors:
                                  "samples (several decode steps need the chain to reach the last station)")
             samples = proto_to_samples(answer.samples, n_entries=len(entries), vocab_size=vocab_size)
             token_ids = torch.tensor([t.token_id for t in samples], dtype=torch.long)  # [K]
-            reply.samples.samples.extend(answer.samples.samples)
-            reply.forward_seconds += answer.forward_seconds
-            reply.kv.CopyFrom(answer.kv)
-            if not hops:
-                hops = list(answer.relayed)
-                continue
-            for total, hop in zip(hops, answer.relayed):
-                total.kv.CopyFrom(hop.kv)
-                total.forward_seconds += hop.forward_seconds
-                total.served_seconds += hop.served_seconds
-                total.call_seconds += hop.call_seconds
-        reply.relayed.extend(hops)
-        return reply
+            yield answer
 
     def close(self) -> None:
         """Close every channel."""

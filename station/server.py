@@ -29,7 +29,8 @@ from station.probe import HealthProbe, ProbeConfig
 from station.link_shm import SEGMENT_BYTES
 from station.relay import Successors
 from station.relay_link import RelayLinkServer
-from station.servicer import ServerLimits, StationServicer
+from station.server_limits import ServerLimits
+from station.servicer import StationServicer
 from station.step import Station
 
 log = logging.getLogger(__name__)

@@ -19,61 +19,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import grpc
 import torch
 
-from mesh.core.config import DTYPE_BYTES, ConfigError, is_int
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
-from mesh.core.wave import StationOutput, WaveEntry
-from mesh.core.wire import decode_entries, decode_forward, decode_relay, decode_steps, samples_to_proto
+from mesh.core.wave import StationOutput, WaveEntry, decode_steps_problem
+from mesh.core.wire import (decode_entries, decode_forward, decode_relay, decode_reply_steps, decode_steps,
+                            samples_to_proto)
 from mesh.core.wire_tensor import WireError, tensor_to_proto
-from mesh.core.wire_kv import MAX_COPY_BYTES, decode_export, decode_import
+from mesh.core.wire_kv import decode_export, decode_import
 from station.interceptors import WireBytes
 from station.kv import KVBudgetError
 from station.relay import RelayError, Successors
+from station.server_limits import ServerLimits
 from station.step import Station, StepError
+from station.step_replies import chunked_replies, local_step_replies
 
 log = logging.getLogger(__name__)
 
-GRPC_MAX_MESSAGE = 2**31 - 1  # gRPC counts message lengths in a signed int32
 _R = TypeVar("_R")
-
-
-@dataclass(frozen=True, slots=True)
-class ServerLimits:
-    """What one station server accepts: wave size, worker threads, waiting calls, message bytes."""
-
-    max_entries: int = 256  # entries (sequences) in one wave
-    max_rows: int = 8192  # rows (sum of n_tokens) in one wave
-    max_workers: int = 8  # gRPC worker threads
-    max_pending: int = 4  # Forward/Release calls holding or waiting for the station at once
-    headroom_bytes: int = 1 << 20  # added to the largest payload for framing and metadata
-
-    def __post_init__(self) -> None:
-        for name in ("max_entries", "max_rows", "max_workers", "max_pending"):
-            v = getattr(self, name)
-            if not (is_int(v) and v > 0):
-                raise ConfigError(f"server.{name} must be a positive integer, got {v!r}")
-        if self.max_pending >= self.max_workers:
-            raise ConfigError(f"server.max_pending ({self.max_pending}) must be below max_workers "
-                              f"({self.max_workers}) so health and Info always find a free worker")
-        if not (isinstance(self.headroom_bytes, int) and self.headroom_bytes >= 0):
-            raise ConfigError(f"server.headroom_bytes must be >= 0, got {self.headroom_bytes!r}")
-
-    def message_bytes(self, hidden_size: int, kv_row_bytes: int = 0) -> int:
-        """Largest message either way: a full wave of float32 hidden rows, token ids, entries and samples, or a
-        KV copy of max_rows rows of `kv_row_bytes` each (K and V of every layer; at most MAX_COPY_BYTES, as the
-        orchestrator cuts copies), whichever is larger."""
-        hidden = self.max_rows * hidden_size * DTYPE_BYTES["float32"]
-        ids = self.max_rows * 10  # a varint int32 takes at most 10 bytes
-        per_entry = self.max_entries * 512  # an entry, or a sample with up to 20 top logprobs
-        copy = min(MAX_COPY_BYTES, self.max_rows * kv_row_bytes)
-        return min(GRPC_MAX_MESSAGE, max(hidden + ids, copy) + per_entry + self.headroom_bytes)
 
 
 class StationBusy(RuntimeError):
@@ -138,6 +106,43 @@ class StationServicer(station_pb2_grpc.StationServicer):
         reply.served_seconds = time.perf_counter() - started
         return reply
 
+    def ForwardSteps(self, request: pb.ForwardRequest, context: grpc.ServicerContext) -> Iterator[pb.ForwardReply]:
+        """Several decode steps of one wave, their samples streamed back every `reply_steps` steps (station.
+        step_replies); each reply's served_seconds is this station's time since the reply before."""
+        mark = time.perf_counter()
+        replies = self._guarded(context, "ForwardSteps", lambda: self.forward_steps(request, context.time_remaining))
+        while (reply := self._guarded(context, "ForwardSteps", lambda: next(replies, None))) is not None:
+            now = time.perf_counter()
+            reply.served_seconds, mark = now - mark, now
+            yield reply
+
+    def forward_steps(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None]
+                      ) -> Iterator[pb.ForwardReply]:
+        """The replies of one ForwardSteps request, one per `reply_steps` decode steps; the request is checked here,
+        before any step runs. Raises what `failure_status` maps, here or while the replies are drawn."""
+        st = self.station
+        _, entries, token_ids, _ = decode_forward(
+            request, hidden_size=st.config.hidden_size, dtype=st.spec.dtype, vocab_size=st.config.vocab_size,
+            max_entries=self.limits.max_entries, max_rows=self.limits.max_rows)
+        relay_to, steps = self._relay_list(request), decode_steps(request)
+        per_reply, bt = decode_reply_steps(request, steps), self._block_tokens()
+        if token_ids is None:
+            raise WireError("payload: ForwardSteps starts at the first station (token ids in), not from hidden rows")
+        if (problem := decode_steps_problem(entries, steps, bt)) is not None:
+            raise WireError(problem)
+        if relay_to:
+            return chunked_replies(self.successors.relay_step_replies(
+                request.wave_id, entries, token_ids, steps, relay_to, self._one_step, time_remaining,
+                block_tokens=bt, vocab_size=st.config.vocab_size), per_reply)
+        return local_step_replies(self._steps_chunk, entries, token_ids, steps, per_reply, bt)
+
+    def _relay_list(self, request: pb.ForwardRequest) -> tuple[str, ...]:
+        """The request's `relay_to`, refused where this station cannot relay."""
+        relay_to, st = decode_relay(request), self.station
+        if relay_to and (self.successors is None or st.spec.end >= st.config.num_hidden_layers):
+            raise WireError("relay_to: this station cannot relay (it holds the last layer, or serves no relays)")
+        return relay_to
+
     def prepare_forward(self, request: pb.ForwardRequest) -> tuple[WaveEntry, ...] | None:
         """An announced request's entries, decoded before its rows come (station.relay_link); None where they do not
         decode (`forward` then raises what is wrong)."""
@@ -170,9 +175,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
             request, hidden_size=st.config.hidden_size, dtype=st.spec.dtype, vocab_size=st.config.vocab_size,
             max_entries=self.limits.max_entries, max_rows=self.limits.max_rows, hidden_data=hidden_data,
             entries=entries)
-        relay_to, steps = decode_relay(request), decode_steps(request)
-        if relay_to and (self.successors is None or st.spec.end >= st.config.num_hidden_layers):
-            raise WireError("relay_to: this station cannot relay (it holds the last layer, or serves no relays)")
+        relay_to, steps = self._relay_list(request), decode_steps(request)
         if relay_to and steps > 1:  # the first station of a chain runs each step and relays it
             if token_ids is None:
                 raise WireError("steps: several decode steps through a relay chain start at its first station "
@@ -206,6 +209,12 @@ class StationServicer(station_pb2_grpc.StationServicer):
         if self._positions_per_block is None:  # read on first use: a station's blocks never change size
             self._positions_per_block = self.station.stats().kv.block_tokens
         return self._positions_per_block
+
+    def _steps_chunk(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, steps: int
+                     ) -> tuple[StationOutput, pb.KVUsage]:
+        """Some decode steps of a streamed several-step wave at a station holding every layer, under the lock."""
+        st = self.station
+        return self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, steps=steps), kv_usage_proto(st)))
 
     def _one_step(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor) -> tuple[StationOutput, pb.KVUsage]:
         """One step of a several-step relayed wave, under the station lock (released between steps, so other

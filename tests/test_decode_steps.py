@@ -2,6 +2,8 @@
 step per call, in process and over gRPC; refused where it cannot run; all or nothing at the station."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import grpc
 import pytest
 import torch
@@ -35,12 +37,13 @@ def _jobs(n=12):
     return prompts, params
 
 
-def _serve(model_dir, decode_steps, prompts, params, ranges=((0, 6),)):
+def _serve(model_dir, decode_steps, prompts, params, ranges=((0, 6),), reply_steps=0):
     """Every request at once through an engine over in-process stations; (outputs, waves committed)."""
     links = [LocalLink(Station(model_dir, StationSpec(layers=r))) for r in ranges]
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     engine = Engine(links, ModelConfig.from_dir(model_dir),
-                    SchedulerConfig(max_seqs=16, max_wave_tokens=512, decode_steps=decode_steps), tok)
+                    SchedulerConfig(max_seqs=16, max_wave_tokens=512, decode_steps=decode_steps,
+                                    reply_steps=reply_steps), tok)
     try:
         streams = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
         outs = [s.result(timeout=120)[0] for s in streams]
@@ -67,7 +70,8 @@ def test_engine_tokens_are_the_same_at_any_decode_steps(tiny_llama):
 
 
 def test_a_stop_inside_a_multi_step_wave_ends_the_sequence_there(tiny_llama):
-    """A stop token or a stop string met in step k of a call: the output ends there, the KV is all released."""
+    """A stop token or a stop string met in step k of a call (with 12 steps, in its second streamed part of 4): the
+    output ends there, the KV is all released though the call ran on."""
     free, _ = _serve(tiny_llama, 1, [PROMPT], [SamplingParams(max_tokens=12, ignore_eos=True)])
     tokens, text = free[0].token_ids, free[0].text
     stop_id = tokens[5]
@@ -76,8 +80,8 @@ def test_a_stop_inside_a_multi_step_wave_ends_the_sequence_there(tiny_llama):
     assert stop_text and text.index(stop_text) > 0
     params = [SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(stop_id,)),
               SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop_text,))]
-    for steps in (1, 4):
-        outs, _ = _serve(tiny_llama, steps, [PROMPT, PROMPT], params)
+    for steps, reply_steps in ((1, 0), (4, 0), (12, 4)):
+        outs, _ = _serve(tiny_llama, steps, [PROMPT, PROMPT], params, reply_steps=reply_steps)
         assert outs[0].token_ids == tokens[:6] and outs[0].finish_reason == "stop", steps
         assert outs[1].text == text[:text.index(stop_text)] and outs[1].finish_reason == "stop", steps
 
@@ -90,16 +94,23 @@ def test_a_chain_of_stations_keeps_one_step_per_call(tiny_llama):
     assert [o.token_ids for o in chain] == [o.token_ids for o in one]
 
 
-@pytest.fixture(scope="module")
-def full_server(tiny_llama):
-    """A gRPC server over a whole-model station, and a client of it."""
-    server = start_server(Station(tiny_llama, WHOLE))
-    client = StationClient(server.address, timeout_s=30, hidden_size=64, vocab_size=512)
+@contextmanager
+def whole_station_server(model_dir, token=None):
+    """A gRPC server over a whole-model station (with the cluster token where given), and a client of it."""
+    server = start_server(Station(model_dir, WHOLE), token=token)
+    client = StationClient(server.address, timeout_s=30, hidden_size=64, vocab_size=512, token=token)
     try:
         yield server, client
     finally:
         client.close()
         server.stop(grace=0)
+
+
+@pytest.fixture(scope="module")
+def full_server(tiny_llama):
+    """A gRPC server over a whole-model station, and a client of it."""
+    with whole_station_server(tiny_llama) as both:
+        yield both
 
 
 def _prefill(client, seq_id, params):

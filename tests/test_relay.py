@@ -16,7 +16,7 @@ from orchestrator.engine import Engine
 from orchestrator.pipeline import StationDown
 from orchestrator.relay import RelayPipeline
 from orchestrator.remote import RemoteLink
-from station.client import StationCallError
+from station.client import StationCallError, StationClient
 from station.generate import generate_one
 from station.server import start_server
 from station.step import Station
@@ -59,13 +59,13 @@ def chains(tiny_llama):
             server.stop(0)
 
 
-def _run(model_dir, servers, hidden_path, prompts, params, tls=None, decode_steps=4, waves=None):
+def _run(model_dir, servers, hidden_path, prompts, params, tls=None, decode_steps=4, waves=None, reply_steps=0):
     """Every request at once through an engine over `servers`; (tokens, pipeline, Forward bytes per link).
     `waves`, a list, gets the number of wave calls made."""
     links = [RemoteLink(s.address, timeout_s=30, token=TOKEN, tls=tls) for s in servers]
     engine = Engine(links, ModelConfig.from_dir(model_dir),
                     SchedulerConfig(max_seqs=8, max_wave_tokens=64, hidden_path=hidden_path,
-                                    decode_steps=decode_steps))
+                                    decode_steps=decode_steps, reply_steps=reply_steps))
     try:
         streams = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
         tokens = [s.result(timeout=120)[0].token_ids for s in streams]
@@ -108,6 +108,61 @@ def test_direct_chains_run_several_decode_steps_per_call(tiny_llama, reference, 
     single, _, _ = _run(tiny_llama, chains[n], "direct", prompts, params, decode_steps=1, waves=waves)
     assert several == single == ref
     assert waves[0] < waves[1], waves
+
+
+@pytest.mark.parametrize("n", sorted(CHAINS))
+def test_direct_chains_stream_the_samples_of_several_steps(tiny_llama, reference, chains, n, monkeypatch):
+    """7 decode steps a call whose samples stream back every 3 steps (the first station's ForwardSteps): the tokens
+    of one station, each part's hop reports kept."""
+    prompts, params, ref = reference
+    parts: list[int] = []
+    real = StationClient.forward_steps
+
+    def counted(self, *args, **kw):
+        for reply in real(self, *args, **kw):
+            parts.append(len(reply.output.samples))
+            assert len(reply.hops) == n - 1
+            yield reply
+
+    monkeypatch.setattr(StationClient, "forward_steps", counted)
+    got, pipeline, _ = _run(tiny_llama, chains[n], "direct", prompts, params, decode_steps=7, reply_steps=3)
+    assert got == ref
+    assert len(parts) >= 2 and all(len(h) > 0 for h in pipeline.hop_seconds), parts
+
+
+def _mortal(model_dir, fails: int):
+    """A last station [2, 6) with the cluster token whose forward call number `fails` raises; (server, calls)."""
+    mortal = start_server(Station(model_dir, StationSpec(layers=(2, 6))), token=TOKEN)
+    station, calls = mortal.servicer.station, []
+    forward = station.forward
+
+    def forward_then_fail(*args, **kw):
+        calls.append(1)
+        if len(calls) == fails:
+            raise RuntimeError("the device fell off the bus")
+        return forward(*args, **kw)
+
+    station.forward = forward_then_fail
+    return mortal, calls
+
+
+def test_streamed_parts_stand_when_a_later_step_fails(tiny_llama, chains):
+    """A streamed 4-step call in parts of 2 whose successor fails the third step: the first part comes back, then
+    StationDown with the successor's failure."""
+    first = RemoteLink(chains[2][0].address, timeout_s=10, token=TOKEN)
+    mortal, calls = _mortal(tiny_llama, fails=4)  # the prefill, then two steps: the third fails
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    try:
+        token = first.relay(1, (WaveEntry(62, 0, 3, params),), [4, 5, 6], [_Addr(mortal.address)]).output.samples[0]
+        replies = first.relay_steps(2, (WaveEntry(62, 3, 1, params),), [token.token_id], 4, 2, [_Addr(mortal.address)])
+        assert len(next(replies).output.samples) == 2
+        with pytest.raises(StationDown, match=f"relay to {mortal.address}.*device fell off"):
+            next(replies)
+        assert len(calls) == 4
+    finally:
+        first.release((62,))
+        first.close()
+        mortal.stop(0)
 
 
 def test_relayed_steps_equal_single_relayed_steps(tiny_llama, chains):
@@ -154,17 +209,7 @@ def test_a_successor_failing_a_later_step_fails_the_call(tiny_llama, chains):
     """Several relayed steps whose successor fails the second: the whole call fails with the successor's status
     (StationDown: recovery replays the route), never with part of the steps' samples."""
     first = RemoteLink(chains[2][0].address, timeout_s=10, token=TOKEN)
-    mortal = start_server(Station(tiny_llama, StationSpec(layers=(2, 6))), token=TOKEN)
-    station, calls = mortal.servicer.station, []
-    forward = station.forward
-
-    def forward_then_fail(*args, **kw):
-        calls.append(1)
-        if len(calls) == 3:  # the prefill, then the first step: the second step fails
-            raise RuntimeError("the device fell off the bus")
-        return forward(*args, **kw)
-
-    station.forward = forward_then_fail
+    mortal, calls = _mortal(tiny_llama, fails=3)  # the prefill, then the first step: the second step fails
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     try:
         reply = first.relay(1, (WaveEntry(61, 0, 3, params),), [4, 5, 6], [_Addr(mortal.address)])

@@ -297,7 +297,8 @@ class SchedulerConfig:
     short_prompt_tokens: int = 64  # a prompt this long or shorter counts as short
     max_skips: int = 8  # a request passed over this many times is admitted next, short or not
     extra_waves: int = 0  # waves in flight beyond one per station: hides call latency, in smaller groups
-    decode_steps: int = 4  # decode steps per call on a one-station route while only decodes run (tokens come in bursts)
+    decode_steps: int = 4  # decode steps per station call while only decodes run (a wave stays at the stations)
+    reply_steps: int = 0  # decode steps per streamed reply within such a call (tokens reach streams this often); 0: one per call
     prefix_cache: bool = True  # reuse committed KV blocks of shared prompt prefixes (where the stations make it exact)
     hidden_path: str = "direct"  # "direct": station to station (gRPC stations); "hub": through the orchestrator
     route_switch: str = "catchup"  # "catchup": build the new route's KV while the old one decodes; "pause": stop and re-prefill
@@ -316,6 +317,8 @@ class SchedulerConfig:
                  f"scheduler.extra_waves must be an integer >= 0, got {self.extra_waves!r}")
         _require(is_int(self.decode_steps) and 1 <= self.decode_steps <= MAX_DECODE_STEPS,
                  f"scheduler.decode_steps must be an integer in [1, {MAX_DECODE_STEPS}], got {self.decode_steps!r}")
+        _require(is_int(self.reply_steps) and 0 <= self.reply_steps <= MAX_DECODE_STEPS,
+                 f"scheduler.reply_steps must be an integer in [0, {MAX_DECODE_STEPS}], got {self.reply_steps!r}")
         _require(self.hidden_path in HIDDEN_PATHS,
                  f"scheduler.hidden_path must be one of {list(HIDDEN_PATHS)}, got {self.hidden_path!r}")
         _require(isinstance(self.catchup_slowdown, (int, float)) and not isinstance(self.catchup_slowdown, bool)

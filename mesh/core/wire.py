@@ -149,18 +149,22 @@ def proto_to_samples(msg: pb.Samples, *, n_entries: int | None = None,
 
 
 def encode_forward(wave_id: int, entries: Sequence[WaveEntry], token_ids: Sequence[int] | None,
-                   hidden: torch.Tensor | None, relay_to: Sequence[str] = (), steps: int = 1) -> pb.ForwardRequest:
+                   hidden: torch.Tensor | None, relay_to: Sequence[str] = (), steps: int = 1,
+                   reply_steps: int = 0) -> pb.ForwardRequest:
     """Build a ForwardRequest: token ids for the first station, hidden rows for the others; `relay_to`:
     the stations after this one, to which the station sends its output itself (direct transfer); `steps`:
     decode steps run in this call (by the only station, or by the first station of a relay chain, which
-    sends each step through `relay_to` and feeds the samples back)."""
+    sends each step through `relay_to` and feeds the samples back); `reply_steps`: for ForwardSteps, the
+    steps per streamed reply (0: all in one)."""
     if (token_ids is None) == (hidden is None):
         raise WireError("payload: give exactly one of token_ids or hidden")
     if not 1 <= steps <= MAX_DECODE_STEPS:
         raise WireError(f"steps: {steps} is outside [1, {MAX_DECODE_STEPS}]")
+    if not 0 <= reply_steps <= steps:
+        raise WireError(f"reply_steps: {reply_steps} is outside [0, {steps}]")
     rows = sum(e.n_tokens for e in entries)
     req = pb.ForwardRequest(wave_id=wave_id, entries=entries_to_proto(entries), relay_to=list(relay_to),
-                            steps=steps if steps > 1 else 0)
+                            steps=steps if steps > 1 else 0, reply_steps=reply_steps)
     if token_ids is not None:
         ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
         if len(ids) != rows:
@@ -243,6 +247,13 @@ def decode_steps(msg: pb.ForwardRequest) -> int:
     if steps > MAX_DECODE_STEPS:
         raise WireError(f"steps: {steps} exceeds {MAX_DECODE_STEPS}")
     return steps
+
+
+def decode_reply_steps(msg: pb.ForwardRequest, steps: int) -> int:
+    """The steps per streamed reply a ForwardSteps request asks for (0 on the wire = all `steps`), checked."""
+    if msg.reply_steps > steps:
+        raise WireError(f"reply_steps: {msg.reply_steps} exceeds the call's {steps} steps")
+    return msg.reply_steps or steps
 
 
 def decode_relay(msg: pb.ForwardRequest) -> tuple[str, ...]:

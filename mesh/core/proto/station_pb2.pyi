@@ -51,20 +51,22 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("entries", "token_ids", "hidden", "wave_id", "relay_to", "steps")
+    __slots__ = ("entries", "token_ids", "hidden", "wave_id", "relay_to", "steps", "reply_steps")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     WAVE_ID_FIELD_NUMBER: _ClassVar[int]
     RELAY_TO_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_STEPS_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[Entry]
     token_ids: TokenIds
     hidden: Tensor
     wave_id: int
     relay_to: _containers.RepeatedScalarFieldContainer[str]
     steps: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., wave_id: _Optional[int] = ..., relay_to: _Optional[_Iterable[str]] = ..., steps: _Optional[int] = ...) -> None: ...
+    reply_steps: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., wave_id: _Optional[int] = ..., relay_to: _Optional[_Iterable[str]] = ..., steps: _Optional[int] = ..., reply_steps: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

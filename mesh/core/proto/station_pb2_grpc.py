@@ -39,6 +39,11 @@ class StationStub:
                 request_serializer=wavemesh_dot_v1_dot_station__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=wavemesh_dot_v1_dot_station__pb2.ForwardReply.FromString,
                 _registered_method=True)
+        self.ForwardSteps = channel.unary_stream(
+                '/wavemesh.v1.Station/ForwardSteps',
+                request_serializer=wavemesh_dot_v1_dot_station__pb2.ForwardRequest.SerializeToString,
+                response_deserializer=wavemesh_dot_v1_dot_station__pb2.ForwardReply.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/wavemesh.v1.Station/Release',
                 request_serializer=wavemesh_dot_v1_dot_station__pb2.ReleaseRequest.SerializeToString,
@@ -66,6 +71,16 @@ class StationServicer:
 
     def Forward(self, request, context):
         """One batched step over a wave.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForwardSteps(self, request, context):
+        """Several decode steps of one wave (`steps` > 1, at the first station: token ids in) whose samples stream
+        back as they are drawn: one reply per `reply_steps` steps, each with its steps' samples (step-major), its
+        seconds and its last step's KV (and hops, with relay_to); the stream ends after the last step. A failure
+        ends the stream with the status Forward would give; the replies sent before it stand (their steps ran).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -104,6 +119,11 @@ def add_StationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Forward': grpc.unary_unary_rpc_method_handler(
                     servicer.Forward,
+                    request_deserializer=wavemesh_dot_v1_dot_station__pb2.ForwardRequest.FromString,
+                    response_serializer=wavemesh_dot_v1_dot_station__pb2.ForwardReply.SerializeToString,
+            ),
+            'ForwardSteps': grpc.unary_stream_rpc_method_handler(
+                    servicer.ForwardSteps,
                     request_deserializer=wavemesh_dot_v1_dot_station__pb2.ForwardRequest.FromString,
                     response_serializer=wavemesh_dot_v1_dot_station__pb2.ForwardReply.SerializeToString,
             ),
@@ -153,6 +173,33 @@ class Station:
             request,
             target,
             '/wavemesh.v1.Station/Forward',
+            wavemesh_dot_v1_dot_station__pb2.ForwardRequest.SerializeToString,
+            wavemesh_dot_v1_dot_station__pb2.ForwardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForwardSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/wavemesh.v1.Station/ForwardSteps',
             wavemesh_dot_v1_dot_station__pb2.ForwardRequest.SerializeToString,
             wavemesh_dot_v1_dot_station__pb2.ForwardReply.FromString,
             options,

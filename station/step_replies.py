@@ -1,0 +1,80 @@
+"""Several decode steps of one wave, their samples streamed back as they are drawn (station.proto's ForwardSteps).
+
+Why a stream: a several-step call keeps a wave at the stations between its visits to the orchestrator, and each
+visit idles the chain (the wave's samples go back, are committed and streamed, the next call is planned and sent);
+more steps per call means fewer visits. With one reply per call, more steps also meant longer waits for every
+token; streamed, the samples of each `reply_steps` steps reach the orchestrator (and the users) as they are drawn,
+while the wave stays at the stations for the whole call.
+
+The first station runs the steps: alone (it holds every layer), each chunk of `reply_steps` steps as one
+several-step forward under its lock; in a relay chain (station.relay), each step relayed through its successors.
+Each reply holds its steps' samples (step-major), its seconds and its last step's KV; in a chain, one RelayHop per
+relayed station with its seconds summed over the chunk's steps. A reply once sent stands: its steps ran at every
+station, so a failure later in the call leaves the orchestrator with the steps it was sent.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from mesh.core.proto import station_pb2 as pb
+from mesh.core.wave import StationOutput, WaveEntry, decode_step_entries
+from mesh.core.wire import samples_to_proto
+
+ChunkRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor, int], tuple[StationOutput, pb.KVUsage]]
+
+
+def merge_step_replies(replies: Iterable[pb.ForwardReply]) -> pb.ForwardReply:
+    """One reply for the replies of consecutive steps: their samples step-major, their seconds summed, the last
+    one's KV; one RelayHop per relayed station, its seconds summed over the steps and its last KV."""
+    merged = pb.ForwardReply(forward_seconds=0.0)
+    hops: list[pb.RelayHop] = []
+    for reply in replies:
+        merged.samples.samples.extend(reply.samples.samples)
+        merged.forward_seconds += reply.forward_seconds
+        merged.kv.CopyFrom(reply.kv)
+        if not hops:
+            hops = list(reply.relayed)  # the step replies are the merge's own: summed into in place
+            continue
+        for total, hop in zip(hops, reply.relayed):
+            total.kv.CopyFrom(hop.kv)
+            total.forward_seconds += hop.forward_seconds
+            total.served_seconds += hop.served_seconds
+            total.call_seconds += hop.call_seconds
+    merged.relayed.extend(hops)
+    return merged
+
+
+def chunked_replies(per_step: Iterator[pb.ForwardReply], per_reply: int) -> Iterator[pb.ForwardReply]:
+    """The one-step replies of `per_step`, merged `per_reply` at a time (the last chunk may hold fewer)."""
+    chunk: list[pb.ForwardReply] = []
+    for reply in per_step:
+        chunk.append(reply)
+        if len(chunk) == per_reply:
+            yield merge_step_replies(chunk)
+            chunk = []
+    if chunk:
+        yield merge_step_replies(chunk)
+
+
+def local_step_replies(run_chunk: ChunkRunner, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, steps: int,
+                       per_reply: int, block_tokens: int) -> Iterator[pb.ForwardReply]:
+    """`steps` decode steps at a station holding every layer, one reply per `per_reply` of them: `run_chunk(entries,
+    token_ids, n)` runs n steps (this station's several-step forward and its KV report, under its lock), fed the
+    last samples of the chunk before."""
+    for out, kv in step_chunks(run_chunk, entries, token_ids, steps, per_reply, block_tokens):
+        yield pb.ForwardReply(samples=samples_to_proto(out.samples or []), forward_seconds=out.seconds, kv=kv)
+
+
+def step_chunks(run_chunk: Callable[[tuple[WaveEntry, ...], torch.Tensor, int], tuple[StationOutput, object]],
+                entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, steps: int, per_reply: int,
+                block_tokens: int) -> Iterator[tuple[StationOutput, object]]:
+    """Run `steps` decode steps of a wave of sampling 1-token entries as chunks of `per_reply` steps, each chunk's
+    first tokens the samples of the chunk before's last step; yields what `run_chunk` returns for each chunk."""
+    for k in range(0, steps, per_reply):
+        n = min(per_reply, steps - k)
+        out, report = run_chunk(decode_step_entries(entries, k, block_tokens, n), token_ids, n)
+        last = (out.samples or [])[-len(entries):]
+        token_ids = torch.tensor([t.token_id for t in last], dtype=torch.long)  # [K]
+        yield out, report

@@ -1,0 +1,205 @@
+"""Several decode steps per call with their samples streamed back in parts (`scheduler.reply_steps`, the station's
+ForwardSteps): the scheduler commits a wave part by part and releases what ended inside it only when it lands; the
+engine's tokens equal one step per call's, in process and over gRPC; a station refuses what ForwardSteps cannot run,
+with the same checks as Forward, and keeps serving."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from mesh.core.config import ConfigError, ModelConfig, SchedulerConfig
+from mesh.core.params import SamplingParams
+from mesh.core.proto import station_pb2 as pb
+from mesh.core.proto import station_pb2_grpc
+from mesh.core.wave import SampledToken, WaveEntry
+from mesh.core.wire import encode_forward
+from orchestrator.engine import Engine
+from orchestrator.pipeline import LocalLink
+from orchestrator.scheduler import KVLimits, Scheduler
+from station.client import StationCallError
+from station.generate import generate_one
+from station.step import Station
+
+from test_decode_steps import PROMPT, WHOLE, _prefill, whole_station_server
+
+TOKEN = "steps-token"
+
+
+# ---- the scheduler, with hand-made samples ---------------------------------------------------------------------
+def _decoding(reply_steps=2):
+    """A scheduler with three prefilled sequences (seq 2 ends on token 0, the EOS), ready for a decode wave."""
+    sched = Scheduler(SchedulerConfig(max_seqs=4, max_wave_tokens=64, reply_steps=reply_steps),
+                      KVLimits(max_context=64, kv_blocks=32, block_tokens=4), eos_token_ids=(0,))
+    sched.add(1, "a", (5, 6, 7), SamplingParams(max_tokens=20, ignore_eos=True))
+    sched.add(2, "b", (5, 6), SamplingParams(max_tokens=20))
+    sched.add(3, "c", (8,), SamplingParams(max_tokens=20, ignore_eos=True))
+    sched.commit(sched.plan(), [SampledToken(9)] * 3)
+    return sched
+
+
+def test_a_wave_commits_part_by_part_and_releases_what_ended_when_it_lands():
+    sched = _decoding()
+    plan = sched.plan(max_steps=6)
+    assert (plan.steps, plan.reply_steps) == (6, 2)
+    used = sched.stats().kv_blocks_used
+    part = sched.commit(plan, [SampledToken(11), SampledToken(12), SampledToken(13),
+                               SampledToken(11), SampledToken(0), SampledToken(13)])
+    assert [(e.seq_id, e.token_id, e.finish_reason) for e in part.events if e.seq_id == 2] == [
+        (2, 12, None), (2, 0, "stop")]
+    assert part.finished == (2,) and part.released == ()  # its later steps still run at the stations
+    assert sched.plan(max_steps=6) is None  # every sequence is still in flight
+    assert sched.cancel("c") == ()  # cancelled between parts: released when the wave lands
+    with pytest.raises(ValueError, match="from step 0"):  # a part again, or out of order, is refused
+        sched.commit(plan, [SampledToken(1)] * 6)
+    part = sched.commit(plan, [SampledToken(14)] * 6, first_step=2)
+    assert [e.seq_id for e in part.events] == [1, 1] and part.released == ()
+    with pytest.raises(ValueError, match="seq 1 asked for a token at step 4"):
+        sched.commit(plan, [None, SampledToken(15), SampledToken(15)] * 2, first_step=4)
+    last = sched.commit(plan, [SampledToken(15)] * 6, first_step=4)
+    assert [e.token_id for e in last.events] == [15, 15] and last.released == (2, 3)
+    assert sched.stats().kv_blocks_used < used and sched.stats().running == 1
+    nxt = sched.plan(max_steps=1)
+    assert [(e.seq_id, e.start_pos) for e in nxt.entries] == [(1, 3 + 6)]
+
+
+def test_an_aborted_wave_keeps_the_parts_it_committed():
+    """A wave that fails after a part: its sequences leave flight where that part left them, and are replanned
+    from there; a sequence cancelled meanwhile is released."""
+    sched = _decoding()
+    plan = sched.plan(max_steps=4)
+    sched.commit(plan, [SampledToken(11), SampledToken(12), SampledToken(13)] * 2)
+    sched.cancel("b")
+    sched.abort_wave(plan)
+    assert sched.take_releases() == (2,)
+    nxt = sched.plan(max_steps=1)
+    assert [(e.seq_id, e.start_pos) for e in nxt.entries] == [(1, 3 + 2), (3, 1 + 2)]
+
+
+def test_reply_steps_are_validated():
+    with pytest.raises(ConfigError, match="reply_steps"):
+        SchedulerConfig(reply_steps=-1)
+    with pytest.raises(ConfigError, match="reply_steps"):
+        SchedulerConfig(reply_steps=65)
+    sched = _decoding(reply_steps=8)
+    assert sched.plan(max_steps=4).reply_steps == 0  # a part as long as the call: one reply at its end
+
+
+# ---- an engine over an in-process station ----------------------------------------------------------------------
+class _Parts(LocalLink):
+    """A LocalLink that notes the steps of each part it streams."""
+
+    def __init__(self, station, parts):
+        super().__init__(station)
+        self.parts = parts
+
+    def forward_steps(self, wave_id, entries, token_ids, steps, reply_steps):
+        for out in super().forward_steps(wave_id, entries, token_ids, steps, reply_steps):
+            self.parts.append(len(out.samples) // len(entries))
+            yield out
+
+
+def _serve(model_dir, prompts, params, decode_steps=1, reply_steps=0, parts=None):
+    link = _Parts(Station(model_dir, WHOLE), [] if parts is None else parts)
+    engine = Engine([link], ModelConfig.from_dir(model_dir),
+                    SchedulerConfig(max_seqs=16, max_wave_tokens=512, decode_steps=decode_steps,
+                                    reply_steps=reply_steps))
+    try:
+        outs = [s.result(timeout=120)[0] for s in [engine.submit(p, sp) for p, sp in zip(prompts, params)]]
+        assert engine.quiesce(30)
+        s = engine.stats()
+        assert (s.running, s.waiting, s.kv_bytes_used) == (0, 0, 0)
+        return outs
+    finally:
+        engine.close()
+
+
+def test_streamed_parts_give_the_tokens_of_one_step_per_call(tiny_llama):
+    """Greedy, seeded and logprob requests ending at different lengths; 8 steps a call in parts of 3: the same
+    tokens, logprobs and finish reasons as one step a call, and the parts did stream."""
+    prompts = [[1] + [(29 * i + 7 * j) % 500 + 5 for j in range(3 + (5 * i) % 11)] for i in range(6)]
+    params = [SamplingParams(max_tokens=9 + 3 * i, temperature=0.0 if i % 2 else 0.9, seed=40 + i,
+                             logprobs=2 if i == 3 else 0, ignore_eos=True) for i in range(6)]
+    want = [(o.token_ids, o.finish_reason, o.logprobs) for o in _serve(tiny_llama, prompts, params)]
+    parts: list[int] = []
+    got = _serve(tiny_llama, prompts, params, decode_steps=8, reply_steps=3, parts=parts)
+    assert [(o.token_ids, o.finish_reason, o.logprobs) for o in got] == want
+    assert parts and set(parts) <= {1, 2, 3} and 3 in parts, parts
+
+
+# ---- ForwardSteps over gRPC --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def steps_server(tiny_llama):
+    """A gRPC server over a whole-model station with the cluster token, and a client of it."""
+    with whole_station_server(tiny_llama, token=TOKEN) as both:
+        yield both
+
+
+def _refusal(address, request, metadata=(("authorization", f"Bearer {TOKEN}"),), raw=False):
+    with grpc.insecure_channel(address) as ch:
+        if raw:
+            call = ch.unary_stream("/wavemesh.v1.Station/ForwardSteps", request_serializer=lambda b: b,
+                                   response_deserializer=pb.ForwardReply.FromString)
+        else:
+            call = station_pb2_grpc.StationStub(ch).ForwardSteps
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(request, timeout=30, metadata=metadata))
+    return err.value
+
+
+def test_forward_steps_streams_the_samples_of_each_part(tiny_llama, steps_server):
+    """7 steps in parts of 3 for two sequences: replies of 3, 3 and 1 steps, each sequence's tokens those it gets
+    alone, its KV report and the station's time with each."""
+    _, client = steps_server
+    params = SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.7, seed=5, logprobs=1)
+    want, _ = generate_one(Station(tiny_llama, WHOLE), PROMPT, params)
+    got = {seq: [_prefill(client, seq, params)] for seq in (71, 72)}
+    try:
+        entries = tuple(WaveEntry(seq, len(PROMPT), 1, params) for seq in got)
+        sizes = []
+        for reply in client.forward_steps(1, entries, [got[seq][-1] for seq in got], steps=7, reply_steps=3):
+            n = len(reply.output.samples) // 2
+            sizes.append(n)
+            assert reply.output.seconds > 0 and reply.served_seconds > 0 and reply.hops == []
+            for k in range(n):
+                for i, seq in enumerate(got):
+                    sample = reply.output.samples[2 * k + i]
+                    assert sample.logprob is not None
+                    got[seq].append(sample.token_id)
+        assert sizes == [3, 3, 1]
+        assert got[71] == want[:8] and got[72] == want[:8]
+        assert client.kv_usage.sequences >= 2
+    finally:
+        client.release(list(got))
+
+
+def test_forward_steps_refuses_what_it_cannot_run_and_keeps_serving(tiny_llama, steps_server):
+    """No token, bytes that do not parse, hidden rows in, more steps a reply than the call has, a prompt chunk:
+    each refused with its status and a message naming the problem; the KV as before; then a good call runs."""
+    server, client = steps_server
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    token = _prefill(client, 81, params)
+    pos = len(PROMPT)
+    try:
+        request = encode_forward(1, (WaveEntry(81, pos, 1, params),), [token], None, steps=3, reply_steps=1)
+        assert _refusal(server.address, request, metadata=()).code() == grpc.StatusCode.UNAUTHENTICATED
+        bad = _refusal(server.address, b"\xff\xff\xff", raw=True)
+        assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid protobuf" in bad.details()
+        request.reply_steps = 4
+        assert "reply_steps: 4 exceeds the call's 3 steps" in _refusal(server.address, request).details()
+        rows = encode_forward(1, (WaveEntry(81, pos, 1, params),), None, _hidden(), steps=3)
+        assert "starts at the first station" in _refusal(server.address, rows).details()
+        chunk = encode_forward(1, (WaveEntry(81, pos, 2, params),), [token, token], None, steps=2)
+        assert "1-token entries" in _refusal(server.address, chunk).details()
+        with pytest.raises(StationCallError) as err:
+            list(client.forward_steps(1, (WaveEntry(81, pos + 1, 1, params),), [token], steps=2, reply_steps=1))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "skips ahead" in str(err.value)
+        assert client.info().sequences == 1
+        replies = list(client.forward_steps(2, (WaveEntry(81, pos, 1, params),), [token], steps=3, reply_steps=2))
+        assert [len(r.output.samples) for r in replies] == [2, 1]
+    finally:
+        client.release([81])
+
+
+def _hidden():
+    import torch
+    return torch.zeros(1, 64)
