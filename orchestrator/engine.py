@@ -6,7 +6,10 @@ the caller at once. The loop keeps up to `pipeline.depth` (one per station)
 plus `scheduler.extra_waves` waves in flight, splitting running sequences into
 groups so each station works on a different wave. Every route decision (admit?
 plan? switch, recover, drain, close) is the RouteMachine's (orchestrator/route.py);
-it shares the engine's condition, on which the idle waits wait.
+it shares the engine's condition, on which the idle waits wait. A several-step wave may
+come back in parts (`scheduler.reply_steps`): each is committed and streamed as it comes,
+the wave staying in flight until its last; a request waiting for a lane, or a route about
+to change, ends such waves early (orchestrator.streamed_steps).
 """
 from __future__ import annotations
 
@@ -83,6 +86,7 @@ class Engine(RouteSwitching, RouteRecovery):
         self._catchup_copier = None  # its KVCopier (None: catch-up waves recompute the KV)
         self._catchup_waves: set[int] = set()  # wave ids of catch-up waves in flight (their replies skip the scheduler)
         self._sent: dict[int, float] = {}  # wave id -> when it entered the pipeline
+        self._streamed: dict[int, WavePlan] = {}  # streamed several-step waves in flight, not asked to end early
         self._wave_seconds: deque = deque(maxlen=16)  # send-to-commit times of the latest decode-only waves (catch-up pacing)
         self._thread = threading.Thread(target=self._run, name="wave-loop", daemon=True)
         self._thread.start()
@@ -225,8 +229,11 @@ class Engine(RouteSwitching, RouteRecovery):
                     self._lock.notify_all()  # the route switch waits on the catch-up's progress
                 elif item is not _WAKE:
                     plan, samples, error, first_step = item
-                    lands = error is not None or first_step + len(samples) // len(plan.entries) >= plan.steps
+                    lands = (error is not None or not samples  # failed, or ended early (an empty last part)
+                             or first_step + len(samples) // len(plan.entries) >= plan.steps)
                     self._in_flight -= lands  # a part before a wave's last step leaves it in flight
+                    if lands:
+                        self._streamed.pop(plan.wave_id, None)
                     self._finish_wave(plan, samples, error, first_step, lands)
                     self._lock.notify_all()  # idle waits: a wave came back, requests may have ended
                 self._fill()
@@ -243,7 +250,7 @@ class Engine(RouteSwitching, RouteRecovery):
             plan = self.scheduler.plan(max_entries=cap, max_steps=steps)
             self._release(self.scheduler.take_releases())
             if plan is None:
-                return
+                break
             self._in_flight += 1
             now = time.monotonic()
             self._sent[plan.wave_id] = now
@@ -254,6 +261,13 @@ class Engine(RouteSwitching, RouteRecovery):
                     if owner[1] == 0:
                         stream.cached_tokens = cached
             self.pipeline.submit(plan)
+            if 0 < plan.reply_steps < plan.steps:
+                self._streamed[plan.wave_id] = plan
+        if self._streamed and (self.scheduler.admissible() or self.route.paused or self.route.closed
+                               or self._catchup is not None):
+            for plan in self._streamed.values():  # a request waits for a lane, the route is to change or close:
+                self.pipeline.end_steps(plan)  # these waves land within a step and are planned again
+            self._streamed.clear()
 
     def _finish_wave(self, plan: WavePlan, samples, error: BaseException | None, first_step: int = 0,
                      lands: bool = True) -> None:
@@ -274,10 +288,11 @@ class Engine(RouteSwitching, RouteRecovery):
         self._release(result.released)
         now = time.monotonic()
         if sent is not None:
+            ran = first_step + len(samples) // len(plan.entries)  # its steps (fewer than planned where ended early)
             if len(plan.token_ids) == len(plan.entries):  # a decode-only wave: the pace a catch-up must keep, per step
-                self._wave_seconds.append((now - sent) / plan.steps)
+                self._wave_seconds.append((now - sent) / ran)
             if self._catchup is not None:  # per step: a several-step wave sent before the catch-up began is no slowdown
-                self._catchup.old_wave((now - sent) / plan.steps)
+                self._catchup.old_wave((now - sent) / ran)
         if self.on_wave is not None and sent is not None:
             rows = len(plan.token_ids)
             self.on_wave(rows, rows / self.config.max_wave_tokens, now - sent)

@@ -10,87 +10,23 @@ goes on. The last station's samples (or any failure) go to the `on_done` callbac
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import queue
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
-from mesh.core.wave import StationOutput, WaveEntry
+from mesh.core.wave import StationOutput
 from orchestrator.scheduler_types import WavePlan
-from station.step_replies import step_chunks
+from orchestrator.station_link import LinkKV, StationDown, StationLink, runs_steps, streams_steps  # noqa: F401 (re-exported)
+from orchestrator.streamed_steps import EarlyEnds, deliver_parts
+from station.step_replies import RunningSteps, step_chunks
 
 log = logging.getLogger(__name__)
-
-
-class StationDown(RuntimeError):
-    """A station could not serve a wave: dead, hung past its deadline, or the call was lost.
-
-    The wave's effect at the stations is unknown, so the engine rebuilds the route's KV by replay."""
-
-
-@dataclass(frozen=True, slots=True)
-class LinkKV:
-    """A station's KV geometry, for the scheduler's ledger."""
-
-    blocks_total: int
-    block_tokens: int
-    bytes_used: int
-    bytes_total: int
-    prefill_chunk_invariant: bool = False  # one chunk or several give a prompt the same KV bits (prefix reuse is exact)
-    dtype: str = "float32"  # the KV's dtype (a KV copy needs the same on both sides)
-
-
-class StationLink(Protocol):
-    """One station as the orchestrator and the control plane see it: in-process or over gRPC."""
-
-    address: str  # where the station serves ("host:port", or "in-process")
-    copies_kv: bool  # the station can export and import KV (ExportKV / ImportKV)
-
-    def forward(self, wave_id: int, entries: tuple[WaveEntry, ...], token_ids: list[int] | None,
-                hidden: torch.Tensor | None) -> StationOutput:
-        """Run one wave through the station (a link whose forward also takes `steps=` runs several decode steps in
-        one call where the engine asks: `runs_steps`)."""
-        ...
-
-    def release(self, seq_ids: tuple[int, ...]) -> None:
-        """Free these sequences' KV."""
-        ...
-
-    def kv(self) -> LinkKV:
-        """KV geometry and occupancy (no call to the station)."""
-        ...
-
-    def layer_range(self) -> tuple[int, int]:
-        """The model layers [start, end) the station holds."""
-        ...
-
-    def export_kv(self, entries: tuple[WaveEntry, ...], layer_start: int,
-                  layer_end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [layers, rows, KVH, D] of the entries' positions in model layers [layer_start, layer_end)."""
-        ...
-
-    def import_kv(self, entries: tuple[WaveEntry, ...], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K, V [the station's layers, rows, KVH, D] copied from other stations at the entries' positions."""
-        ...
-
-    def health(self) -> bool:
-        """True while the station can serve waves."""
-        ...
-
-    def describe(self) -> dict:
-        """Layer range, device, dtype, address, health and KV use, for status pages."""
-        ...
-
-    def close(self) -> None:
-        """Let go of the station; later calls fail."""
-        ...
 
 
 class LocalLink:
@@ -101,6 +37,7 @@ class LocalLink:
     def __init__(self, station) -> None:
         self.station = station
         self._closed = False
+        self._running = RunningSteps()  # its forward_steps calls, which end_steps can end early
 
     def forward(self, wave_id, entries, token_ids, hidden, steps: int = 1) -> StationOutput:
         """Run the wave (`steps` decode steps) on the in-process station."""
@@ -111,10 +48,15 @@ class LocalLink:
         """`steps` decode steps on the in-process station, one output per `reply_steps` of them as they are drawn
         (what a station's ForwardSteps streams)."""
         ids = torch.tensor(token_ids, dtype=torch.long)  # [K]
-        chunks = step_chunks(lambda e, t, n: (self.station.forward(e, token_ids=t, steps=n), None), entries, ids,
-                             steps, reply_steps, self.station.kv.block_tokens)
+        chunks = self._running.run(wave_id, lambda ended: step_chunks(
+            lambda e, t, n: (self.station.forward(e, token_ids=t, steps=n), None), entries, ids, steps, reply_steps,
+            self.station.kv.block_tokens, ended))
         for out, _ in chunks:
             yield out
+
+    def end_steps(self, wave_id: int) -> bool:
+        """End the wave's `forward_steps` after its part under way; False when it is not running."""
+        return self._running.end(wave_id)
 
     def release(self, seq_ids) -> None:
         """Free KV on the in-process station."""
@@ -157,26 +99,6 @@ class LocalLink:
     def close(self) -> None:
         """Mark the link closed (the Station object itself belongs to whoever built it)."""
         self._closed = True
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_takes_steps(cls: type) -> bool:
-    try:
-        return "steps" in inspect.signature(cls.forward).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-
-
-def streams_steps(link: StationLink, plan: WavePlan) -> bool:
-    """True when `plan` is a several-step wave whose samples come back in parts (`reply_steps`) and the link can
-    stream them (its `forward_steps`); else the call's samples come back at its end."""
-    return 0 < plan.reply_steps < plan.steps and callable(getattr(link, "forward_steps", None))
-
-
-def runs_steps(link: StationLink) -> bool:
-    """True when the link's forward takes `steps` (several decode steps in one call), read from its class: a link
-    class that overrides forward without it keeps one step per call."""
-    return _forward_takes_steps(type(link))
 
 
 # ---- the workers' inbox messages -----------------------------------------------------------------
@@ -238,6 +160,7 @@ class Pipeline:
         self._inboxes: list[queue.Queue[InboxMessage]] = [queue.Queue() for _ in links]
         self.busy_seconds = [0.0] * len(links)
         self.failed_releases = [0] * len(links)  # per station: releases that raised (the KV may linger there)
+        self._ends = EarlyEnds()
         self._threads = [threading.Thread(target=self._work, args=(i,), name=f"station-{i}", daemon=True)
                          for i in range(len(links))]
         for t in self._threads:
@@ -256,6 +179,11 @@ class Pipeline:
     def submit(self, plan: WavePlan) -> None:
         """Send a WavePlan (entries + token ids) into station 0."""
         self._inboxes[0].put(RunWave(plan))
+
+    def end_steps(self, plan: WavePlan) -> None:
+        """End a streamed several-step wave early, after its step under way (orchestrator.streamed_steps)."""
+        if len(self.links) == 1 and streams_steps(self.links[0], plan):
+            self._ends.ask(self.links[0], plan.wave_id)
 
     def release(self, seq_ids: tuple[int, ...]) -> None:
         """Free these sequences at every station, after the waves already queued there."""
@@ -301,11 +229,9 @@ class Pipeline:
         steps = {"steps": plan.steps} if plan.steps > 1 else {}  # only to links that take it (runs_steps)
         try:
             if len(self.links) == 1 and streams_steps(self.links[0], plan):
-                step = 0
-                for out in self.links[0].forward_steps(plan.wave_id, plan.entries, list(plan.token_ids), plan.steps,
-                                                       plan.reply_steps):
-                    self.on_done(plan, out.samples, None, step)
-                    step += len(out.samples) // len(plan.entries)
+                parts = self.links[0].forward_steps(plan.wave_id, plan.entries, list(plan.token_ids), plan.steps,
+                                                    plan.reply_steps)
+                deliver_parts(plan, (out.samples for out in parts), self.on_done, self._ends, self.links[0].address)
                 return
             out = self.links[i].forward(plan.wave_id, plan.entries, list(plan.token_ids) if i == 0 else None,
                                         hidden, **steps)

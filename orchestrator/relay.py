@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from orchestrator.pipeline import (
@@ -35,6 +36,7 @@ from orchestrator.pipeline import (
     streams_steps,
 )
 from orchestrator.scheduler_types import WavePlan
+from orchestrator.streamed_steps import EarlyEnds, deliver_parts
 
 log = logging.getLogger(__name__)
 HOP_SAMPLES = 4096  # transfer costs kept per station, for benchmarks and status
@@ -71,6 +73,7 @@ class RelayPipeline:
         # per station, its newest calls' own turn per decode step: its time in the call less its step and its
         # successor's call (the request's decode, the lock, the encoding and sending of rows and replies)
         self.turn_seconds: list[deque[float]] = [deque(maxlen=HOP_SAMPLES) for _ in links]
+        self._ends = EarlyEnds()
         self._calls = ThreadPoolExecutor(max_workers=max_calls or 2 * len(links) + 2, thread_name_prefix="relay")
         self._running: set[Future] = set()
         self._running_lock = threading.Lock()
@@ -91,6 +94,11 @@ class RelayPipeline:
     def submit(self, plan: WavePlan) -> None:
         """Send a WavePlan into the chain."""
         self._inbox.put(RunWave(plan))
+
+    def end_steps(self, plan: WavePlan) -> None:
+        """End a streamed several-step wave early, after its step under way (orchestrator.streamed_steps)."""
+        if streams_steps(self.links[0], plan):
+            self._ends.ask(self.links[0], plan.wave_id)
 
     def release(self, seq_ids: tuple[int, ...]) -> None:
         """Free these sequences at every station, before any wave submitted after this call."""
@@ -141,25 +149,26 @@ class RelayPipeline:
 
     def _run_wave(self, plan: WavePlan) -> None:
         t0 = time.perf_counter()
-        step = 0
         try:
             if streams_steps(self.links[0], plan):  # its samples come back in parts as they are drawn
-                for reply in self.links[0].relay_steps(plan.wave_id, plan.entries, list(plan.token_ids), plan.steps,
-                                                       plan.reply_steps, self.links[1:]):
-                    n = len(reply.output.samples) // len(plan.entries)
-                    t0 = self._note(reply, t0, n)
-                    self.on_done(plan, reply.output.samples, None, step)
-                    step += n
+                deliver_parts(plan, self._parts(plan, t0), self.on_done, self._ends, self.links[0].address)
                 return
             reply = self.links[0].relay(plan.wave_id, plan.entries, list(plan.token_ids), self.links[1:],
                                         steps=plan.steps)
             if reply.output.samples is None:
                 raise StationDown(f"station {self.links[-1].address}: a relayed wave came back without samples")
         except BaseException as e:  # noqa: BLE001 - reported to the engine, which ends or replays the wave
-            self.on_done(plan, None, e, step)
+            self.on_done(plan, None, e)
             return
         self._note(reply, t0, plan.steps)
         self.on_done(plan, reply.output.samples, None)
+
+    def _parts(self, plan: WavePlan, t0: float) -> Iterator[list]:
+        """The samples of each part of a streamed wave's call, as they come, their transfer costs kept."""
+        for reply in self.links[0].relay_steps(plan.wave_id, plan.entries, list(plan.token_ids), plan.steps,
+                                               plan.reply_steps, self.links[1:]):
+            t0 = self._note(reply, t0, len(reply.output.samples) // len(plan.entries))
+            yield reply.output.samples
 
     def _note(self, reply, t0: float, steps: int) -> float:
         """Keep the transfer costs and busy times a reply of `steps` steps reports, its call (or part of a

@@ -67,6 +67,15 @@ class RemoteLink:
         while (reply := self._wave(lambda: next(replies, None))) is not None:
             yield self._noted(successors, reply)
 
+    def end_steps(self, wave_id: int) -> bool:
+        """End the wave's `relay_steps` call early, after its step under way (the station's EndSteps); False when
+        it was not running there or the station did not answer (the call then ends at its own last step, or fails)."""
+        try:
+            return self.client.end_steps(wave_id)
+        except StationCallError as e:
+            log.debug("station %s: EndSteps of wave %d failed: %s", self.address, wave_id, e)
+            return False
+
     def _noted(self, successors: Sequence[RemoteLink], reply: RelayReply) -> RelayReply:
         """`reply`, its relayed stations' KV reports noted on their links (StationDown where one is malformed)."""
         try:

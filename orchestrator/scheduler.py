@@ -15,14 +15,13 @@ Where a sequence's station KV must be released:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from mesh.core.config import SchedulerConfig
 from mesh.core.params import SamplingParams
 from mesh.core.wave import SampledToken
 from orchestrator.scheduler_counts import SchedulerCounts, admission_refusal
 from orchestrator.scheduler_types import (REFUSAL_REASONS, AdmissionError, CommitResult, KVLimits, SchedulerStats,
-                               TokenEvent, WavePlan)
+                               TokenEvent, WaveFlight, WavePlan)
 from orchestrator.kv_ledger import KVBlockLedger
 from orchestrator.sequence import Request, Sequence, SequenceStatus, SequenceTable, WaitingQueue
 from orchestrator.scheduler_route import RouteMoves
@@ -32,18 +31,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["REFUSAL_REASONS", "AdmissionError", "CommitResult", "KVLimits", "Scheduler", "SchedulerStats",
            "TokenEvent", "WavePlan"]
-
-
-@dataclass(slots=True)
-class _Flight:
-    """A wave in flight: its plan, its decode rows, the prefix-cache names of the blocks it fills, and how far
-    its commits have come (a several-step wave whose samples stream back commits in parts)."""
-
-    plan: WavePlan
-    decode_rows: int
-    names: dict[int, list[bytes]]
-    steps_done: int = 0  # steps committed so far
-    later: int = 0  # tokens its steps after the first added
 
 
 class Scheduler(RouteMoves):
@@ -57,7 +44,7 @@ class Scheduler(RouteMoves):
         self._ledger = self._new_ledger(limits)
         self._waiting = WaitingQueue(config.short_first, config.short_prompt_tokens, config.max_skips)
         self._seqs = SequenceTable()
-        self._in_flight: dict[int, _Flight] = {}  # by wave id
+        self._in_flight: dict[int, WaveFlight] = {}  # by wave id
         self._pending_releases: list[int] = []
         self._next_wave_id = 0
         self._arrivals = 0
@@ -126,7 +113,7 @@ class Scheduler(RouteMoves):
         self._next_wave_id += 1
         for entry in wave.entries:
             self._seqs[entry.seq_id].in_flight_wave = plan.wave_id
-        self._in_flight[plan.wave_id] = _Flight(plan, wave.decode_rows, wave.names)
+        self._in_flight[plan.wave_id] = WaveFlight(plan, wave.decode_rows, wave.names)
         return plan
 
     def _preempt(self, seq: Sequence) -> None:
@@ -166,12 +153,17 @@ class Scheduler(RouteMoves):
         A several-step wave whose samples stream back commits in parts: `samples` then hold the steps from
         `first_step` on, each part taking up where the one before ended, and the wave leaves flight with the part
         holding its last step. A sequence that ends inside the wave stays in flight until then (its later steps'
-        samples dropped); its KV is released with that last part."""
+        samples dropped); its KV is released with that last part. A wave ended early lands with an empty part
+        after its last committed step (its blocks reserved for the steps it did not run stay with its sequences)."""
         flight = self._in_flight.get(plan.wave_id)
         if flight is None or flight.plan != plan:
             raise ValueError(f"wave {plan.wave_id} is not in flight")
         k = len(plan.entries)
         n = len(samples) // k
+        if not samples and first_step == flight.steps_done > 0:  # ended early, at a step committed already
+            released: list[int] = []
+            self._land(flight, released)
+            return CommitResult((), (), tuple(released))
         if n < 1 or n * k != len(samples) or first_step != flight.steps_done or first_step + n > plan.steps:
             raise ValueError(f"wave {plan.wave_id}: {len(samples)} samples for {k} entries from step {first_step} "
                              f"({flight.steps_done} of its {plan.steps} steps committed)")
@@ -203,12 +195,12 @@ class Scheduler(RouteMoves):
                     seq.history.append(1)
                     self._take(seq, samples[row + i], events, finished)
         flight.steps_done += n
-        released: list[int] = []
+        released = []
         if flight.steps_done == plan.steps:
             self._land(flight, released)
         return CommitResult(tuple(events), tuple(finished), tuple(released))
 
-    def _land(self, flight: _Flight, released: list[int]) -> None:
+    def _land(self, flight: WaveFlight, released: list[int]) -> None:
         """A wave's last step is committed: its sequences leave flight, those that ended are dropped (into
         `released`), and the blocks its later steps filled are named for the prefix cache."""
         plan = flight.plan
@@ -294,6 +286,10 @@ class Scheduler(RouteMoves):
         """Free a finished sequence's KV blocks and forget it."""
         self._ledger.release(seq)
         self._seqs.forget(seq)
+
+    def admissible(self) -> bool:
+        """True when a request waits and a lane is free for it (a plan now would admit it, KV allowing)."""
+        return bool(len(self._waiting)) and len(self._seqs.running) < self.config.max_seqs + len(self._probes)
 
     def live(self) -> int:
         """Sequences running or waiting (cheap: the engine asks every wave)."""

@@ -55,6 +55,18 @@ class WavePlan:
     reply_steps: int = 0  # steps per streamed reply of such a call (0 or >= steps: its samples come back at its end)
 
 
+@dataclass(slots=True)
+class WaveFlight:
+    """A wave in flight: its plan, its decode rows, the prefix-cache names of the blocks it fills, and how far
+    its commits have come (a several-step wave whose samples stream back commits in parts)."""
+
+    plan: WavePlan
+    decode_rows: int
+    names: dict[int, list[bytes]]
+    steps_done: int = 0  # steps committed so far
+    later: int = 0  # tokens its steps after the first added
+
+
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
     """One newly generated token of a sequence (finish_reason set on its last)."""

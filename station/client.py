@@ -123,23 +123,28 @@ class StationClient:
                       steps: int, reply_steps: int, relay_to: Sequence[str] = ()) -> Iterator[RelayReply]:
         """`steps` decode steps of a wave at the first station (alone, or relaying each step through `relay_to`),
         their samples streamed back as they are drawn (ForwardSteps): one RelayReply per `reply_steps` steps
-        (the last may hold fewer), samples step-major, with that chunk's hop reports and the station's own time
-        serving it. Raises StationCallError or WireError, possibly after some replies came (their steps stand);
-        a stream that ends before its last step raises WireError."""
+        (fewer where the call was ended early, `end_steps`), samples step-major, with that chunk's hop reports and
+        the station's own time serving it. Raises StationCallError or WireError, possibly after some replies came
+        (their steps stand). The stream may end before the call's last step only where `end_steps` ended it: the
+        caller, who asked for that, counts the steps that came."""
         request = encode_forward(wave_id, entries, token_ids, None, relay_to, steps, reply_steps)
         stream = self._call("ForwardSteps", lambda r, **kw: iter(self._stub.ForwardSteps(r, **kw)), request)
         done = 0
         try:
             while (reply := self._call("ForwardSteps", lambda r, **_: next(stream, None), request)) is not None:
-                n = min(reply_steps or steps, steps - done)
-                if n < 1:
-                    raise WireError(f"ForwardSteps: a reply after the last of the call's {steps} steps")
+                n, extra = divmod(len(reply.samples.samples), len(entries))
+                if extra or not 1 <= n <= min(reply_steps or steps, steps - done):
+                    raise WireError(f"ForwardSteps: a reply of {len(reply.samples.samples)} samples for "
+                                    f"{len(entries)} entries after {done} of the call's {steps} steps")
                 yield self._relay_reply(request if not done else None, reply, entries, len(relay_to), n)
                 done += n
         finally:
             stream.cancel()  # nothing once the stream has ended; else (a reply refused, the reader gone) ends it
-        if done != steps:
-            raise WireError(f"ForwardSteps: the stream ended after {done} of the call's {steps} steps")
+
+    def end_steps(self, wave_id: int) -> bool:
+        """End the ForwardSteps call of `wave_id` running at the station after its step under way; False when none
+        runs there."""
+        return self._call("EndSteps", self._stub.EndSteps, pb.EndStepsRequest(wave_id=wave_id)).running
 
     def _relay_reply(self, request: pb.ForwardRequest | None, reply: pb.ForwardReply, entries: Sequence[WaveEntry],
                      relayed: int, steps: int) -> RelayReply:

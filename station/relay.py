@@ -49,7 +49,7 @@ from station.interceptors import FORWARD_METHOD, INFO_METHOD, WireBytes
 from station.link_frames import LinkError
 from station.link_shm import SEGMENT_BYTES
 from station.relay_link_client import Announced, RelayLinkClient
-from station.step_replies import merge_step_replies
+from station.step_replies import merge_step_replies, never
 
 _R = TypeVar("_R")
 StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor], tuple[StationOutput, pb.KVUsage]]
@@ -241,14 +241,18 @@ class Successors:
 
     def relay_step_replies(self, wave_id: int, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, steps: int,
                            relay_to: tuple[str, ...], run_step: StepRunner, time_left_s: Callable[[], float | None],
-                           *, block_tokens: int, vocab_size: int) -> Iterator[pb.ForwardReply]:
+                           *, block_tokens: int, vocab_size: int, ended: Callable[[], bool] = never
+                           ) -> Iterator[pb.ForwardReply]:
         """`steps` decode steps of a wave at the first station of a chain, one reply per step as its samples come
         back: each step runs here (`run_step`: this station's step and KV report, under its lock), goes through
         `relay_to` as a one-step wave, and the samples that come back are the next step's token ids. Each reply
-        holds the step's samples, this station's seconds and KV and one RelayHop per relayed station."""
+        holds the step's samples, this station's seconds and KV and one RelayHop per relayed station. No step
+        starts once `ended()` (the call was ended early)."""
         if (problem := decode_steps_problem(entries, steps, block_tokens)) is not None:
             raise WireError(problem)
         for k in range(steps):
+            if k and ended():
+                return
             step = decode_step_entries(entries, k, block_tokens)
             onward = entries_to_proto(step)
             announcement = self.announce(wave_id, onward, relay_to, time_left_s())

@@ -37,7 +37,7 @@ from station.kv import KVBudgetError
 from station.relay import RelayError, Successors
 from station.server_limits import ServerLimits
 from station.step import Station, StepError
-from station.step_replies import chunked_replies, local_step_replies
+from station.step_replies import RunningSteps, chunked_replies, local_step_replies
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
         self._positions_per_block: int | None = None
         self.wire = wire  # Forward bytes, relays to the next station included (/metrics)
         self.relay_port = 0  # the port of this station's relay link (start_server sets it), 0: none
+        self.running_steps = RunningSteps()  # the ForwardSteps calls running here, which EndSteps can end
 
     def _exclusive(self, fn: Callable[[], _R]) -> _R:
         """Run fn holding the station lock; refuse with StationBusy when max_pending calls already wait."""
@@ -131,10 +132,16 @@ class StationServicer(station_pb2_grpc.StationServicer):
         if (problem := decode_steps_problem(entries, steps, bt)) is not None:
             raise WireError(problem)
         if relay_to:
-            return chunked_replies(self.successors.relay_step_replies(
-                request.wave_id, entries, token_ids, steps, relay_to, self._one_step, time_remaining,
-                block_tokens=bt, vocab_size=st.config.vocab_size), per_reply)
-        return local_step_replies(self._steps_chunk, entries, token_ids, steps, per_reply, bt)
+            return self.running_steps.run(request.wave_id, lambda ended: chunked_replies(
+                self.successors.relay_step_replies(request.wave_id, entries, token_ids, steps, relay_to,
+                                                   self._one_step, time_remaining, block_tokens=bt,
+                                                   vocab_size=st.config.vocab_size, ended=ended), per_reply))
+        return self.running_steps.run(request.wave_id, lambda ended: local_step_replies(
+            self._steps_chunk, entries, token_ids, steps, per_reply, bt, ended))
+
+    def EndSteps(self, request: pb.EndStepsRequest, context: grpc.ServicerContext) -> pb.EndStepsReply:
+        """End the wave's ForwardSteps call running here after its step under way (lock-free)."""
+        return pb.EndStepsReply(running=self.running_steps.end(request.wave_id))
 
     def _relay_list(self, request: pb.ForwardRequest) -> tuple[str, ...]:
         """The request's `relay_to`, refused where this station cannot relay."""

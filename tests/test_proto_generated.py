@@ -34,4 +34,4 @@ def test_grpc_module_imports_from_package() -> None:
     assert station_pb2_grpc.wavemesh_dot_v1_dot_station__pb2 is station_pb2
     assert hasattr(station_pb2_grpc, "StationStub") and hasattr(station_pb2_grpc, "StationServicer")
     names = set(station_pb2.DESCRIPTOR.services_by_name["Station"].methods_by_name)
-    assert names == {"Forward", "ForwardSteps", "Release", "Info", "ExportKV", "ImportKV"}
+    assert names == {"Forward", "ForwardSteps", "EndSteps", "Release", "Info", "ExportKV", "ImportKV"}

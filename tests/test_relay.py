@@ -130,6 +130,30 @@ def test_direct_chains_stream_the_samples_of_several_steps(tiny_llama, reference
     assert len(parts) >= 2 and all(len(h) > 0 for h in pipeline.hop_seconds), parts
 
 
+def test_a_relayed_streamed_call_ends_early_with_every_station_agreeing(tiny_llama, reference, chains):
+    """EndSteps at the first station of a 3-station chain during a 20-step streamed call: its stream ends OK after
+    the step under way, and a plain relayed call from the steps that came goes on at every station (a station
+    whose KV held a step the orchestrator never saw would refuse it); the tokens are the request's alone."""
+    first, *rest = [RemoteLink(s.address, timeout_s=30, token=TOKEN) for s in chains[3]]
+    prompts, params, ref = reference
+    prompt, sp = prompts[1], params[1]
+    try:
+        ids = [first.relay(1, (WaveEntry(63, 0, len(prompt), sp),), prompt, rest).output.samples[0].token_id]
+        replies = first.relay_steps(2, (WaveEntry(63, len(prompt), 1, sp),), [ids[-1]], 20, 1, rest)
+        ids += [t.token_id for t in next(replies).output.samples]
+        assert first.end_steps(2) is True
+        ids += [t.token_id for r in replies for t in r.output.samples]
+        assert len(ids) - 1 < 20
+        while len(ids) < sp.max_tokens:
+            out = first.relay(3, (WaveEntry(63, len(prompt) + len(ids) - 1, 1, sp),), [ids[-1]], rest).output
+            ids.append(out.samples[0].token_id)
+        assert ids == ref[1]
+    finally:
+        for link in (first, *rest):
+            link.release((63,))
+            link.close()
+
+
 def _mortal(model_dir, fails: int):
     """A last station [2, 6) with the cluster token whose forward call number `fails` raises; (server, calls)."""
     mortal = start_server(Station(model_dir, StationSpec(layers=(2, 6))), token=TOKEN)

@@ -203,3 +203,99 @@ def test_forward_steps_refuses_what_it_cannot_run_and_keeps_serving(tiny_llama, 
 def _hidden():
     import torch
     return torch.zeros(1, 64)
+
+
+# ---- ending a streamed call early ------------------------------------------------------------------------------
+def test_a_wave_ended_early_lands_at_its_committed_steps():
+    sched = _decoding()
+    plan = sched.plan(max_steps=6)
+    with pytest.raises(ValueError):  # nothing committed yet: not a wave that ran and was ended
+        sched.commit(plan, [])
+    sched.commit(plan, [SampledToken(11), SampledToken(0), SampledToken(13)] * 2)  # seq 2 ends on the EOS
+    assert not sched.admissible()
+    sched.add(4, "d", (3, 4), SamplingParams(max_tokens=5))
+    assert sched.admissible()  # a lane is free for it
+    landed = sched.commit(plan, [], first_step=2)
+    assert landed.events == () and landed.released == (2,)
+    nxt = sched.plan(max_steps=1)
+    assert [(e.seq_id, e.start_pos) for e in nxt.entries] == [(1, 5), (3, 3), (4, 0)]
+    assert len(nxt.entries[0].blocks) == 2  # the table cut to the positions held, its reserved block kept aside
+    assert not sched.admissible()
+
+
+class _EndsAfterParts(_Parts):
+    """A LocalLink that submits a request once the first streamed call has sent `after` parts."""
+
+    def __init__(self, station, parts, submit, after=1):
+        super().__init__(station, parts)
+        self.submit, self.after = submit, after
+
+    def forward_steps(self, wave_id, entries, token_ids, steps, reply_steps):
+        for i, out in enumerate(super().forward_steps(wave_id, entries, token_ids, steps, reply_steps)):
+            if i + 1 == self.after and self.submit is not None:
+                submit, self.submit = self.submit, None
+                submit()
+            yield out
+
+
+def test_a_request_that_arrives_ends_the_streamed_calls_within_a_part(tiny_llama):
+    """A 32-step call in parts of 2; a request submitted after its first part ends it within a part or two (the
+    wave lands early, the newcomer is admitted), and every token is as each request gets it alone."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    late_prompt, late_params = [1, 90, 91, 92], SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=3)
+    alone = Station(tiny_llama, WHOLE)
+    want = generate_one(alone, PROMPT, params)[0]
+    want_late = generate_one(Station(tiny_llama, WHOLE), late_prompt, late_params)[0]
+    parts, late = [], []
+    link = _EndsAfterParts(Station(tiny_llama, WHOLE), parts, lambda: late.append(engine.submit(late_prompt, late_params)))
+    engine = Engine([link], ModelConfig.from_dir(tiny_llama),
+                    SchedulerConfig(max_seqs=4, max_wave_tokens=64, decode_steps=32, reply_steps=2))
+    try:
+        first = engine.submit(PROMPT, params)
+        assert first.result(timeout=120)[0].token_ids == want
+        assert late and late[0].result(timeout=120)[0].token_ids == want_late
+        assert engine.quiesce(30) and engine.stats().kv_bytes_used == 0
+    finally:
+        engine.close()
+    # the first streamed call: parts of 2 until the newcomer ended it (a part or two after it came), not 16 of them
+    assert parts[:2] == [2, 2] and sum(parts) < 40 and len(parts) > 3, parts
+
+
+def test_end_steps_ends_a_forward_steps_call_after_its_step_under_way(tiny_llama, steps_server):
+    """EndSteps during a 20-step ForwardSteps: the stream ends OK with fewer steps, each reply's samples those the
+    sequence gets alone, and the station's KV holds exactly the steps that came (the next call goes on from
+    there); EndSteps of a wave not running says so."""
+    _, client = steps_server
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want, _ = generate_one(Station(tiny_llama, WHOLE), PROMPT, params)
+    got = [_prefill(client, 91, params)]
+    try:
+        assert client.end_steps(12345) is False
+        replies = client.forward_steps(5, (WaveEntry(91, len(PROMPT), 1, params),), [got[-1]], steps=20,
+                                       reply_steps=1)
+        got += [s.token_id for s in next(replies).output.samples]
+        assert client.end_steps(5) is True
+        got += [s.token_id for r in replies for s in r.output.samples]
+        assert 1 <= len(got) - 1 < 20  # the first step, and any under way when the end came
+        out = client.forward(6, (WaveEntry(91, len(PROMPT) + len(got) - 1, 1, params),), token_ids=[got[-1]])
+        got.append(out.samples[0].token_id)
+        assert got == want[:len(got)]
+    finally:
+        client.release([91])
+
+
+def test_a_stream_that_ends_short_unasked_is_a_station_failure(tiny_llama):
+    """A link whose stream stops after its first part though nobody ended it: the wave fails as a dead station's
+    would (StationDown), and its request ends with an error (no recovery here) instead of hanging."""
+
+    class Short(_Parts):
+        def forward_steps(self, wave_id, entries, token_ids, steps, reply_steps):
+            yield next(iter(super().forward_steps(wave_id, entries, token_ids, steps, reply_steps)))
+
+    engine = Engine([Short(Station(tiny_llama, WHOLE), [])], ModelConfig.from_dir(tiny_llama),
+                    SchedulerConfig(max_seqs=4, max_wave_tokens=64, decode_steps=8, reply_steps=2))
+    try:
+        out = engine.submit(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True)).result(timeout=120)[0]
+        assert out.finish_reason == "error" and "ended after 2 of its 8 steps, unasked" in out.error
+    finally:
+        engine.close()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19wavemesh/v1/station.proto\x12\x0bwavemesh.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"]\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x01(\r\"\x87\x01\n\x05\x45ntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\tstart_pos\x18\x02 \x01(\r\x12\x10\n\x08n_tokens\x18\x03 \x01(\r\x12*\n\x06sample\x18\x04 \x01(\x0b\x32\x15.wavemesh.v1.SamplingH\x00\x88\x01\x01\x12\x12\n\x06\x62locks\x18\x05 \x03(\rB\x02\x10\x01\x42\t\n\x07_sample\"\x1b\n\x08TokenIds\x12\x0f\n\x03ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"\xda\x01\n\x0e\x46orwardRequest\x12#\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x12.wavemesh.v1.Entry\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.wavemesh.v1.TokenIdsH\x00\x12%\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.wavemesh.v1.TensorH\x00\x12\x0f\n\x07wave_id\x18\x04 \x01(\x04\x12\x10\n\x08relay_to\x18\x05 \x03(\t\x12\r\n\x05steps\x18\x06 \x01(\r\x12\x13\n\x0breply_steps\x18\x07 \x01(\rB\t\n\x07payload\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"s\n\x06Sample\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.wavemesh.v1.TopLogprobB\n\n\x08_logprob\"/\n\x07Samples\x12$\n\x07samples\x18\x01 \x03(\x0b\x32\x13.wavemesh.v1.Sample\"V\n\x07KVUsage\x12\x12\n\nbytes_used\x18\x01 \x01(\x04\x12\x13\n\x0b\x62locks_used\x18\x02 \x01(\x04\x12\x11\n\tsequences\x18\x03 \x01(\r\x12\x0f\n\x07\x63hanges\x18\x04 \x01(\x04\"\xe3\x01\n\x0c\x46orwardReply\x12%\n\x06hidden\x18\x01 \x01(\x0b\x32\x13.wavemesh.v1.TensorH\x00\x12\'\n\x07samples\x18\x02 \x01(\x0b\x32\x14.wavemesh.v1.SamplesH\x00\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12 \n\x02kv\x18\x04 \x01(\x0b\x32\x14.wavemesh.v1.KVUsage\x12&\n\x07relayed\x18\x05 \x03(\x0b\x32\x15.wavemesh.v1.RelayHop\x12\x16\n\x0eserved_seconds\x18\x06 \x01(\x01\x42\x08\n\x06result\"\x84\x01\n\x08RelayHop\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12 \n\x02kv\x18\x02 \x01(\x0b\x32\x14.wavemesh.v1.KVUsage\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12\x16\n\x0eserved_seconds\x18\x04 \x01(\x01\x12\x14\n\x0c\x63\x61ll_seconds\x18\x05 \x01(\x01\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"B\n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\r\x12 \n\x02kv\x18\x02 \x01(\x0b\x32\x14.wavemesh.v1.KVUsage\"^\n\x0f\x45xportKVRequest\x12#\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x12.wavemesh.v1.Entry\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\"q\n\rExportKVReply\x12\x1e\n\x01k\x18\x01 \x01(\x0b\x32\x13.wavemesh.v1.Tensor\x12\x1e\n\x01v\x18\x02 \x01(\x0b\x32\x13.wavemesh.v1.Tensor\x12 \n\x02kv\x18\x03 \x01(\x0b\x32\x14.wavemesh.v1.KVUsage\"v\n\x0fImportKVRequest\x12#\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x12.wavemesh.v1.Entry\x12\x1e\n\x01k\x18\x02 \x01(\x0b\x32\x13.wavemesh.v1.Tensor\x12\x1e\n\x01v\x18\x03 \x01(\x0b\x32\x13.wavemesh.v1.Tensor\"1\n\rImportKVReply\x12 \n\x02kv\x18\x01 \x01(\x0b\x32\x14.wavemesh.v1.KVUsage\"\r\n\x0bInfoRequest\"\x99\x03\n\tInfoReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\rkv_bytes_used\x18\x07 \x01(\x04\x12\x16\n\x0ekv_bytes_total\x18\x08 \x01(\x04\x12\x11\n\tsequences\x18\t \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\n \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x0c \x01(\x04\x12\x13\n\x0bhidden_size\x18\r \x01(\r\x12\x12\n\nvocab_size\x18\x0e \x01(\r\x12\x17\n\x0fmetrics_address\x18\x0f \x01(\t\x12\x1f\n\x17prefill_chunk_invariant\x18\x10 \x01(\x08\x12\x10\n\x08kv_heads\x18\x11 \x01(\r\x12\x10\n\x08head_dim\x18\x12 \x01(\r\x12\x12\n\nrelay_port\x18\x13 \x01(\r2\x9f\x03\n\x07Station\x12\x41\n\x07\x46orward\x12\x1b.wavemesh.v1.ForwardRequest\x1a\x19.wavemesh.v1.ForwardReply\x12H\n\x0c\x46orwardSteps\x12\x1b.wavemesh.v1.ForwardRequest\x1a\x19.wavemesh.v1.ForwardReply0\x01\x12\x41\n\x07Release\x12\x1b.wavemesh.v1.ReleaseRequest\x1a\x19.wavemesh.v1.ReleaseReply\x12\x38\n\x04Info\x12\x18.wavemesh.v1.InfoRequest\x1a\x16.wavemesh.v1.InfoReply\x12\x44\n\x08\x45xportKV\x12\x1c.wavemesh.v1.ExportKVRequest\x1a\x1a.wavemesh.v1.ExportKVReply\x12\x44\n\x08ImportKV\x12\x1c.wavemesh.v1.ImportKVRequest\x1a\x1a.wavemesh.v1.ImportKVReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19wavemesh/v1/station.proto\x12\x0bwavemesh.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"]\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x01(\r\"\x87\x01\n\x05\x45ntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\tstart_pos\x18\x02 \x01(\r\x12\x10\n\x08n_tokens\x18\x03 \x01(\r\x12*\n\x06sample\x18\x04 \x01(\x0b\x32\x15.wavemesh.v1.SamplingH\x00\x88\x01\x01\x12\x12\n\x06\x62locks\x18\x05 \x03(\rB\x02\x10\x01\x42\t\n\x07_sample\"\x1b\n\x08TokenIds\x12\x0f\n\x03ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"\xda\x01\n\x0e\x46orwardRequest\x12#\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x12.wavemesh.v1.Entry\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.wavemesh.v1.TokenIdsH\x00\x12%\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.wavemesh.v1.TensorH\x00\x12\x0f\n\x07wave_id\x18\x04 \x01(\x04\x12\x10\n\x08relay_to\x18\x05 \x03(\t\x12\r\n\x05steps\x18\x06 \x01(\r\x12\x13\n\x0breply_steps\x18\x07 \x01(\rB\t\n\x07payload\"\"\n\x0f\x45ndStepsRequest\x12\x0f\n\x07wave_id\x18\x01 \x01(\x04\" \n\rEndStepsReply\x12\x0f\n\x07running\x18\x01 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"s\n\x06Sample\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.wavemesh.v1.TopLogprobB\n\n\x08_logprob\"/\n\x07Samples\x12$\n\x07samples\x18\x01 \x03(\x0b\x32\x13.wavemesh.v1.Sample\"V\n\x07KVUsage\x12\x12\n\nbytes_used\x18\x01 \x01(\x04\x12\x13\n\x0b\x62locks_used\x18\x02 \x01(\x04\x12\x11\n\tsequences\x18\x03 \x01(\r\x12\x0f\n\x07\x63hanges\x18\x04 \x01(\x04\"\xe3\x01\n\x0c\x46orwardReply\x12%\n\x06hidden\x18\x01 \x01(\x0b\x32\x13.wavemesh.v1.TensorH\x00\x12\'\n\x07samples\x18\x02 \x01(\x0b\x32\x14.wavemesh.v1.SamplesH\x00\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12 \n\x02kv\x18\x04 \x01(\x0b\x32\x14.wavemesh.v1.KVUsage\x12&\n\x07relayed\x18\x05 \x03(\x0b\x32\x15.wavemesh.v1.RelayHop\x12\x16\n\x0eserved_seconds\x18\x06 \x01(\x01\x42\x08\n\x06result\"\x84\x01\n\x08RelayHop\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12 \n\x02kv\x18\x02 \x01(\x0b\x32\x14.wavemesh.v1.KVUsage\x12\x17\n\x0f\x66orward_seconds\x18\x03 \x01(\x01\x12\x16\n\x0eserved_seconds\x18\x04 \x01(\x01\x12\x14\n\x0c\x63\x61ll_seconds\x18\x05 \x01(\x01\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"B\n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\r\x12 \n\x02kv\x18\x02 \x01(\x0b\x32\x14.wavemesh.v1.KVUsage\"^\n\x0f\x45xportKVRequest\x12#\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x12.wavemesh.v1.Entry\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\"q\n\rExportKVReply\x12\x1e\n\x01k\x18\x01 \x01(\x0b\x32\x13.wavemesh.v1.Tensor\x12\x1e\n\x01v\x18\x02 \x01(\x0b\x32\x13.wavemesh.v1.Tensor\x12 \n\x02kv\x18\x03 \x01(\x0b\x32\x14.wavemesh.v1.KVUsage\"v\n\x0fImportKVRequest\x12#\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x12.wavemesh.v1.Entry\x12\x1e\n\x01k\x18\x02 \x01(\x0b\x32\x13.wavemesh.v1.Tensor\x12\x1e\n\x01v\x18\x03 \x01(\x0b\x32\x13.wavemesh.v1.Tensor\"1\n\rImportKVReply\x12 \n\x02kv\x18\x01 \x01(\x0b\x32\x14.wavemesh.v1.KVUsage\"\r\n\x0bInfoRequest\"\x99\x03\n\tInfoReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\rkv_bytes_used\x18\x07 \x01(\x04\x12\x16\n\x0ekv_bytes_total\x18\x08 \x01(\x04\x12\x11\n\tsequences\x18\t \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\n \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x0c \x01(\x04\x12\x13\n\x0bhidden_size\x18\r \x01(\r\x12\x12\n\nvocab_size\x18\x0e \x01(\r\x12\x17\n\x0fmetrics_address\x18\x0f \x01(\t\x12\x1f\n\x17prefill_chunk_invariant\x18\x10 \x01(\x08\x12\x10\n\x08kv_heads\x18\x11 \x01(\r\x12\x10\n\x08head_dim\x18\x12 \x01(\r\x12\x12\n\nrelay_port\x18\x13 \x01(\r2\xe5\x03\n\x07Station\x12\x41\n\x07\x46orward\x12\x1b.wavemesh.v1.ForwardRequest\x1a\x19.wavemesh.v1.ForwardReply\x12H\n\x0c\x46orwardSteps\x12\x1b.wavemesh.v1.ForwardRequest\x1a\x19.wavemesh.v1.ForwardReply0\x01\x12\x44\n\x08\x45ndSteps\x12\x1c.wavemesh.v1.EndStepsRequest\x1a\x1a.wavemesh.v1.EndStepsReply\x12\x41\n\x07Release\x12\x1b.wavemesh.v1.ReleaseRequest\x1a\x19.wavemesh.v1.ReleaseReply\x12\x38\n\x04Info\x12\x18.wavemesh.v1.InfoRequest\x1a\x16.wavemesh.v1.InfoReply\x12\x44\n\x08\x45xportKV\x12\x1c.wavemesh.v1.ExportKVRequest\x1a\x1a.wavemesh.v1.ExportKVReply\x12\x44\n\x08ImportKV\x12\x1c.wavemesh.v1.ImportKVRequest\x1a\x1a.wavemesh.v1.ImportKVReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,34 +45,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_end=356
   _globals['_FORWARDREQUEST']._serialized_start=359
   _globals['_FORWARDREQUEST']._serialized_end=577
-  _globals['_TOPLOGPROB']._serialized_start=579
-  _globals['_TOPLOGPROB']._serialized_end=626
-  _globals['_SAMPLE']._serialized_start=628
-  _globals['_SAMPLE']._serialized_end=743
-  _globals['_SAMPLES']._serialized_start=745
-  _globals['_SAMPLES']._serialized_end=792
-  _globals['_KVUSAGE']._serialized_start=794
-  _globals['_KVUSAGE']._serialized_end=880
-  _globals['_FORWARDREPLY']._serialized_start=883
-  _globals['_FORWARDREPLY']._serialized_end=1110
-  _globals['_RELAYHOP']._serialized_start=1113
-  _globals['_RELAYHOP']._serialized_end=1245
-  _globals['_RELEASEREQUEST']._serialized_start=1247
-  _globals['_RELEASEREQUEST']._serialized_end=1280
-  _globals['_RELEASEREPLY']._serialized_start=1282
-  _globals['_RELEASEREPLY']._serialized_end=1348
-  _globals['_EXPORTKVREQUEST']._serialized_start=1350
-  _globals['_EXPORTKVREQUEST']._serialized_end=1444
-  _globals['_EXPORTKVREPLY']._serialized_start=1446
-  _globals['_EXPORTKVREPLY']._serialized_end=1559
-  _globals['_IMPORTKVREQUEST']._serialized_start=1561
-  _globals['_IMPORTKVREQUEST']._serialized_end=1679
-  _globals['_IMPORTKVREPLY']._serialized_start=1681
-  _globals['_IMPORTKVREPLY']._serialized_end=1730
-  _globals['_INFOREQUEST']._serialized_start=1732
-  _globals['_INFOREQUEST']._serialized_end=1745
-  _globals['_INFOREPLY']._serialized_start=1748
-  _globals['_INFOREPLY']._serialized_end=2157
-  _globals['_STATION']._serialized_start=2160
-  _globals['_STATION']._serialized_end=2575
+  _globals['_ENDSTEPSREQUEST']._serialized_start=579
+  _globals['_ENDSTEPSREQUEST']._serialized_end=613
+  _globals['_ENDSTEPSREPLY']._serialized_start=615
+  _globals['_ENDSTEPSREPLY']._serialized_end=647
+  _globals['_TOPLOGPROB']._serialized_start=649
+  _globals['_TOPLOGPROB']._serialized_end=696
+  _globals['_SAMPLE']._serialized_start=698
+  _globals['_SAMPLE']._serialized_end=813
+  _globals['_SAMPLES']._serialized_start=815
+  _globals['_SAMPLES']._serialized_end=862
+  _globals['_KVUSAGE']._serialized_start=864
+  _globals['_KVUSAGE']._serialized_end=950
+  _globals['_FORWARDREPLY']._serialized_start=953
+  _globals['_FORWARDREPLY']._serialized_end=1180
+  _globals['_RELAYHOP']._serialized_start=1183
+  _globals['_RELAYHOP']._serialized_end=1315
+  _globals['_RELEASEREQUEST']._serialized_start=1317
+  _globals['_RELEASEREQUEST']._serialized_end=1350
+  _globals['_RELEASEREPLY']._serialized_start=1352
+  _globals['_RELEASEREPLY']._serialized_end=1418
+  _globals['_EXPORTKVREQUEST']._serialized_start=1420
+  _globals['_EXPORTKVREQUEST']._serialized_end=1514
+  _globals['_EXPORTKVREPLY']._serialized_start=1516
+  _globals['_EXPORTKVREPLY']._serialized_end=1629
+  _globals['_IMPORTKVREQUEST']._serialized_start=1631
+  _globals['_IMPORTKVREQUEST']._serialized_end=1749
+  _globals['_IMPORTKVREPLY']._serialized_start=1751
+  _globals['_IMPORTKVREPLY']._serialized_end=1800
+  _globals['_INFOREQUEST']._serialized_start=1802
+  _globals['_INFOREQUEST']._serialized_end=1815
+  _globals['_INFOREPLY']._serialized_start=1818
+  _globals['_INFOREPLY']._serialized_end=2227
+  _globals['_STATION']._serialized_start=2230
+  _globals['_STATION']._serialized_end=2715
 # @@protoc_insertion_point(module_scope)

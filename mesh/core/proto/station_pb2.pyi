@@ -68,6 +68,18 @@ class ForwardRequest(_message.Message):
     reply_steps: int
     def __init__(self, entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., wave_id: _Optional[int] = ..., relay_to: _Optional[_Iterable[str]] = ..., steps: _Optional[int] = ..., reply_steps: _Optional[int] = ...) -> None: ...
 
+class EndStepsRequest(_message.Message):
+    __slots__ = ("wave_id",)
+    WAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    wave_id: int
+    def __init__(self, wave_id: _Optional[int] = ...) -> None: ...
+
+class EndStepsReply(_message.Message):
+    __slots__ = ("running",)
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    running: bool
+    def __init__(self, running: _Optional[bool] = ...) -> None: ...
+
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class StationStub:
                 request_serializer=wavemesh_dot_v1_dot_station__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=wavemesh_dot_v1_dot_station__pb2.ForwardReply.FromString,
                 _registered_method=True)
+        self.EndSteps = channel.unary_unary(
+                '/wavemesh.v1.Station/EndSteps',
+                request_serializer=wavemesh_dot_v1_dot_station__pb2.EndStepsRequest.SerializeToString,
+                response_deserializer=wavemesh_dot_v1_dot_station__pb2.EndStepsReply.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/wavemesh.v1.Station/Release',
                 request_serializer=wavemesh_dot_v1_dot_station__pb2.ReleaseRequest.SerializeToString,
@@ -81,6 +86,15 @@ class StationServicer:
         back as they are drawn: one reply per `reply_steps` steps, each with its steps' samples (step-major), its
         seconds and its last step's KV (and hops, with relay_to); the stream ends after the last step. A failure
         ends the stream with the status Forward would give; the replies sent before it stand (their steps ran).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndSteps(self, request, context):
+        """End the ForwardSteps call of a wave running here early: it stops after its step under way, sends the reply
+        of the steps it ran and ends its stream (OK, with fewer steps than it asked). A wave not running here is
+        left alone.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -126,6 +140,11 @@ def add_StationServicer_to_server(servicer, server):
                     servicer.ForwardSteps,
                     request_deserializer=wavemesh_dot_v1_dot_station__pb2.ForwardRequest.FromString,
                     response_serializer=wavemesh_dot_v1_dot_station__pb2.ForwardReply.SerializeToString,
+            ),
+            'EndSteps': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSteps,
+                    request_deserializer=wavemesh_dot_v1_dot_station__pb2.EndStepsRequest.FromString,
+                    response_serializer=wavemesh_dot_v1_dot_station__pb2.EndStepsReply.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -202,6 +221,33 @@ class Station:
             '/wavemesh.v1.Station/ForwardSteps',
             wavemesh_dot_v1_dot_station__pb2.ForwardRequest.SerializeToString,
             wavemesh_dot_v1_dot_station__pb2.ForwardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wavemesh.v1.Station/EndSteps',
+            wavemesh_dot_v1_dot_station__pb2.EndStepsRequest.SerializeToString,
+            wavemesh_dot_v1_dot_station__pb2.EndStepsReply.FromString,
             options,
             channel_credentials,
             insecure,
