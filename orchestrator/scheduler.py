@@ -249,6 +249,9 @@ class Scheduler(RouteMoves):
             if seq.status is SequenceStatus.FINISHED:
                 self._drop(seq)
                 self._pending_releases.append(seq.seq_id)
+        if flight.steps_done:  # the parts it committed count as a wave
+            self._counts.count_wave(len(plan.token_ids), len(plan.entries), flight.decode_rows + flight.later,
+                                    self.config.max_wave_tokens)
 
     def cancel(self, request_id: str) -> tuple[int, ...]:
         """End every sequence of a request; returns seq ids whose KV to release now (those in
@@ -305,16 +308,4 @@ class Scheduler(RouteMoves):
 
     def stats(self) -> SchedulerStats:
         """A snapshot of the counters and gauges."""
-        c = self._counts
-        waves = c.waves or 1
-        return SchedulerStats(
-            running=len(self._seqs.running), waiting=len(self._waiting), in_flight_waves=len(self._in_flight),
-            kv_blocks_used=self._ledger.used, kv_blocks_total=self._ledger.total,
-            preemptions=c.preemptions, prefill_tokens=c.prefill_tokens,
-            decode_tokens=c.decode_tokens, waves=c.waves, last_wave_tokens=c.last_rows,
-            mean_wave_occupancy=c.sum_occupancy / waves, max_wave_occupancy=c.max_occupancy,
-            refusals=dict(c.refusals), finished=dict(c.finished),
-            last_wave_entries=c.last_entries, mean_wave_entries=c.sum_entries / waves,
-            max_wave_entries=c.max_entries, prefix_cache=self._ledger.prefix_cache,
-            prefix_cache_queries=c.prefix_queries, prefix_cache_hits=c.prefix_hits,
-            kv_blocks_cached=self._ledger.cached)
+        return self._counts.snapshot(len(self._seqs.running), len(self._waiting), len(self._in_flight), self._ledger)

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mesh.core.params import SamplingParams
-from orchestrator.scheduler_types import REFUSAL_REASONS, AdmissionError, KVLimits
+from orchestrator.kv_ledger import KVBlockLedger
+from orchestrator.scheduler_types import REFUSAL_REASONS, AdmissionError, KVLimits, SchedulerStats
 
 
 def admission_refusal(prompt: tuple[int, ...], params: SamplingParams, limits: KVLimits,
@@ -74,3 +75,18 @@ class SchedulerCounts:
     def count_finish(self, reason: str) -> None:
         """A sequence ended for `reason`."""
         self.finished[reason] = self.finished.get(reason, 0) + 1
+
+    def snapshot(self, running: int, waiting: int, in_flight: int, ledger: KVBlockLedger) -> SchedulerStats:
+        """The scheduler's stats: these counts, its sequences and waves, its KV ledger's blocks."""
+        waves = self.waves or 1
+        return SchedulerStats(
+            running=running, waiting=waiting, in_flight_waves=in_flight,
+            kv_blocks_used=ledger.used, kv_blocks_total=ledger.total,
+            preemptions=self.preemptions, prefill_tokens=self.prefill_tokens,
+            decode_tokens=self.decode_tokens, waves=self.waves, last_wave_tokens=self.last_rows,
+            mean_wave_occupancy=self.sum_occupancy / waves, max_wave_occupancy=self.max_occupancy,
+            refusals=dict(self.refusals), finished=dict(self.finished),
+            last_wave_entries=self.last_entries, mean_wave_entries=self.sum_entries / waves,
+            max_wave_entries=self.max_entries, prefix_cache=ledger.prefix_cache,
+            prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits,
+            kv_blocks_cached=ledger.cached)

@@ -126,9 +126,12 @@ class StationClient:
         (fewer where the call was ended early, `end_steps`), samples step-major, with that chunk's hop reports and
         the station's own time serving it. Raises StationCallError or WireError, possibly after some replies came
         (their steps stand). The stream may end before the call's last step only where `end_steps` ended it: the
-        caller, who asked for that, counts the steps that came."""
+        caller, who asked for that, counts the steps that came. The call's deadline is a call's (`timeout_s`) for
+        each of its parts."""
         request = encode_forward(wave_id, entries, token_ids, None, relay_to, steps, reply_steps)
-        stream = self._call("ForwardSteps", lambda r, **kw: iter(self._stub.ForwardSteps(r, **kw)), request)
+        parts = -(-steps // (reply_steps or steps))
+        stream = self._call("ForwardSteps", lambda r, timeout, **kw: iter(self._stub.ForwardSteps(
+            r, timeout=timeout * parts, **kw)), request)
         done = 0
         try:
             while (reply := self._call("ForwardSteps", lambda r, **_: next(stream, None), request)) is not None:

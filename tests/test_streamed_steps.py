@@ -4,6 +4,8 @@ engine's tokens equal one step per call's, in process and over gRPC; a station r
 with the same checks as Forward, and keeps serving."""
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -16,7 +18,7 @@ from mesh.core.wire import encode_forward
 from orchestrator.engine import Engine
 from orchestrator.pipeline import LocalLink
 from orchestrator.scheduler import KVLimits, Scheduler
-from station.client import StationCallError
+from station.client import StationCallError, StationClient
 from station.generate import generate_one
 from station.step import Station
 
@@ -71,6 +73,7 @@ def test_an_aborted_wave_keeps_the_parts_it_committed():
     sched.cancel("b")
     sched.abort_wave(plan)
     assert sched.take_releases() == (2,)
+    assert sched.stats().decode_tokens == 6  # the part it committed: 3 sequences x 2 steps
     nxt = sched.plan(max_steps=1)
     assert [(e.seq_id, e.start_pos) for e in nxt.entries] == [(1, 3 + 2), (3, 1 + 2)]
 
@@ -299,3 +302,29 @@ def test_a_stream_that_ends_short_unasked_is_a_station_failure(tiny_llama):
         assert out.finish_reason == "error" and "ended after 2 of its 8 steps, unasked" in out.error
     finally:
         engine.close()
+
+
+def test_each_part_has_the_time_of_one_call(tiny_llama):
+    """A streamed call whose parts each take half the client's timeout runs past that timeout as a whole and
+    completes: the deadline is a call's for each part."""
+    with whole_station_server(tiny_llama) as (server, _):
+        slow = StationClient(server.address, timeout_s=1.0, hidden_size=64, vocab_size=512)
+        station = server.servicer.station
+        forward = station.forward
+
+        def slow_forward(*args, **kw):
+            if kw.get("steps", 1) > 1:
+                time.sleep(0.5)
+            return forward(*args, **kw)
+
+        station.forward = slow_forward
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        try:
+            token = _prefill(slow, 95, params)
+            t0 = time.monotonic()
+            replies = list(slow.forward_steps(1, (WaveEntry(95, len(PROMPT), 1, params),), [token], steps=8,
+                                              reply_steps=2))
+            assert time.monotonic() - t0 > 1.5 and [len(r.output.samples) for r in replies] == [2, 2, 2, 2]
+        finally:
+            slow.release([95])
+            slow.close()
