@@ -87,6 +87,7 @@ class Engine(RouteSwitching, RouteRecovery):
         self._catchup_waves: set[int] = set()  # wave ids of catch-up waves in flight (their replies skip the scheduler)
         self._sent: dict[int, float] = {}  # wave id -> when it entered the pipeline
         self._streamed: dict[int, WavePlan] = {}  # streamed several-step waves in flight, not asked to end early
+        self.waves_ended_early = 0  # streamed waves asked to end before their last step
         self._wave_seconds: deque = deque(maxlen=16)  # send-to-commit times of the latest decode-only waves (catch-up pacing)
         self._thread = threading.Thread(target=self._run, name="wave-loop", daemon=True)
         self._thread.start()
@@ -158,6 +159,7 @@ class Engine(RouteSwitching, RouteRecovery):
             switches, pauses = self.switch_pauses.switches, tuple(self.switch_pauses.pauses)
             catchup = self._catchup.progress(self.scheduler.running(), now) if self._catchup is not None else None
             catchup_tokens, replayed = self.catchup_tokens, self.replayed_sequences
+            ended_early = self.waves_ended_early
         span = max(now - old[0], 1e-9)
         kv = [link.kv() for link in links]
         return EngineStats(
@@ -173,7 +175,8 @@ class Engine(RouteSwitching, RouteRecovery):
             prefix_cache_hits=s.prefix_cache_hits, kv_blocks_cached=s.kv_blocks_cached,
             kv_bytes_cached=s.kv_blocks_cached * sum(k.bytes_total // k.blocks_total for k in kv),
             recovery_seconds=recovery, route_switches=switches, route_switch_pauses=pauses, route_error=route_error,
-            route_catchup=catchup, route_catchup_tokens=catchup_tokens, route_replayed_sequences=replayed)
+            route_catchup=catchup, route_catchup_tokens=catchup_tokens, route_replayed_sequences=replayed,
+            waves_ended_early=ended_early)
 
     def _wait_idle(self, timeout: float | None) -> bool:
         """Wait until no wave is in flight (None: no limit); False on timeout."""
@@ -267,6 +270,7 @@ class Engine(RouteSwitching, RouteRecovery):
                                or self._catchup is not None):
             for plan in self._streamed.values():  # a request waits for a lane, the route is to change or close:
                 self.pipeline.end_steps(plan)  # these waves land within a step and are planned again
+            self.waves_ended_early += len(self._streamed)
             self._streamed.clear()
 
     def _finish_wave(self, plan: WavePlan, samples, error: BaseException | None, first_step: int = 0,

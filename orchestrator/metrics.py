@@ -88,7 +88,9 @@ class _EngineCollector(Collector):
                     ("route_replayed_sequences", s.route_replayed_sequences,
                      "Sequences a route switch moved by pause and re-prefill (no room on the new route, or a "
                      "switch that could not catch up)."),
-                    ("recoveries", len(s.recovery_seconds), "Rebuilds of the route after a lost station.")):
+                    ("recoveries", len(s.recovery_seconds), "Rebuilds of the route after a lost station."),
+                    ("waves_ended_early", s.waves_ended_early, "Streamed several-step waves asked to end before "
+                     "their last step (a request waited for a lane, or the route was to change).")):
                 yield CounterMetricFamily(PREFIX + name, doc, value=value)
             yield _histogram("route_switch_pause_seconds", "Per route switch, the longest wait of a live stream "
                              "for its next token.", s.route_switch_pauses)

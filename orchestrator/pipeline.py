@@ -22,7 +22,8 @@ import torch
 
 from mesh.core.wave import StationOutput
 from orchestrator.scheduler_types import WavePlan
-from orchestrator.station_link import LinkKV, StationDown, StationLink, runs_steps, streams_steps  # noqa: F401 (re-exported)
+from orchestrator.station_link import (LinkKV, StationDown, StationLink, runs_steps,  # noqa: F401 (re-exported)
+                                       streams_steps)
 from orchestrator.streamed_steps import EarlyEnds, deliver_parts
 from station.step_replies import RunningSteps, step_chunks
 

@@ -158,4 +158,5 @@ class EngineStats:
     route_error: str | None = None  # set while a lost station is not back (new requests get 503)
     route_catchup: CatchUpProgress | None = None  # a make-before-break switch under way, else None
     route_catchup_tokens: int = 0  # tokens whose KV catch-ups copied or recomputed on a new route, all switches
+    waves_ended_early: int = 0  # streamed several-step waves asked to end before their last step
     route_replayed_sequences: int = 0  # sequences moved by pause-and-re-prefill instead (fallback or setting)

@@ -1,4 +1,4 @@
-"""What one station server accepts (its wave size, threads, waiting calls and message bytes), checked on construction."""
+"""What one station server accepts (wave size, threads, waiting calls, message bytes), checked on construction."""
 from __future__ import annotations
 
 from dataclasses import dataclass

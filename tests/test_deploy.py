@@ -63,7 +63,8 @@ EXPORTED = {f"wavemesh_{n}" for n in (
                               "request_queue_time_seconds", "time_to_first_token_seconds", "wave_duration_seconds",
                               "wave_occupancy", "wave_tokens", "route_switch_pause_seconds", "recovery_seconds")
       for part in ("bucket", "count", "sum")),
-    "route_switches_total", "recoveries_total", "route_catchup_tokens_total", "route_replayed_sequences_total",
+    "route_switches_total", "recoveries_total", "waves_ended_early_total", "route_catchup_tokens_total",
+    "route_replayed_sequences_total",
     "route_catchup_in_progress", "route_catchup_tokens_behind",
     "generation_tokens_total", "prompt_tokens_total", "request_success_total", "requests_rejected_total",
     "num_preemptions_total", "client_disconnects_total", "waves_total", "wave_prefill_rows_total",

@@ -250,7 +250,8 @@ def test_a_request_that_arrives_ends_the_streamed_calls_within_a_part(tiny_llama
     want = generate_one(alone, PROMPT, params)[0]
     want_late = generate_one(Station(tiny_llama, WHOLE), late_prompt, late_params)[0]
     parts, late = [], []
-    link = _EndsAfterParts(Station(tiny_llama, WHOLE), parts, lambda: late.append(engine.submit(late_prompt, late_params)))
+    link = _EndsAfterParts(Station(tiny_llama, WHOLE), parts,
+                           lambda: late.append(engine.submit(late_prompt, late_params)))
     engine = Engine([link], ModelConfig.from_dir(tiny_llama),
                     SchedulerConfig(max_seqs=4, max_wave_tokens=64, decode_steps=32, reply_steps=2))
     try:
@@ -258,6 +259,7 @@ def test_a_request_that_arrives_ends_the_streamed_calls_within_a_part(tiny_llama
         assert first.result(timeout=120)[0].token_ids == want
         assert late and late[0].result(timeout=120)[0].token_ids == want_late
         assert engine.quiesce(30) and engine.stats().kv_bytes_used == 0
+        assert engine.stats().waves_ended_early >= 1  # wavemesh_waves_ended_early_total
     finally:
         engine.close()
     # the first streamed call: parts of 2 until the newcomer ended it (a part or two after it came), not 16 of them

@@ -298,7 +298,7 @@ class SchedulerConfig:
     max_skips: int = 8  # a request passed over this many times is admitted next, short or not
     extra_waves: int = 0  # waves in flight beyond one per station: hides call latency, in smaller groups
     decode_steps: int = 4  # decode steps per station call while only decodes run (a wave stays at the stations)
-    reply_steps: int = 0  # decode steps per streamed reply within such a call (tokens reach streams this often); 0: one per call
+    reply_steps: int = 0  # steps per streamed reply of such a call (how often tokens reach streams); 0: one a call
     prefix_cache: bool = True  # reuse committed KV blocks of shared prompt prefixes (where the stations make it exact)
     hidden_path: str = "direct"  # "direct": station to station (gRPC stations); "hub": through the orchestrator
     route_switch: str = "catchup"  # "catchup": build the new route's KV while the old one decodes; "pause": stop and re-prefill
