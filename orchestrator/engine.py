@@ -231,13 +231,7 @@ class Engine(RouteSwitching, RouteRecovery):
                     self._catchup_wave_done(item[0], item[2])
                     self._lock.notify_all()  # the route switch waits on the catch-up's progress
                 elif item is not _WAKE:
-                    plan, samples, error, first_step = item
-                    lands = (error is not None or not samples  # failed, or ended early (an empty last part)
-                             or first_step + len(samples) // len(plan.entries) >= plan.steps)
-                    self._in_flight -= lands  # a part before a wave's last step leaves it in flight
-                    if lands:
-                        self._streamed.pop(plan.wave_id, None)
-                    self._finish_wave(plan, samples, error, first_step, lands)
+                    self._finish_wave(*item)
                     self._lock.notify_all()  # idle waits: a wave came back, requests may have ended
                 self._fill()
                 self._fill_catchup()
@@ -273,10 +267,16 @@ class Engine(RouteSwitching, RouteRecovery):
             self.waves_ended_early += len(self._streamed)
             self._streamed.clear()
 
-    def _finish_wave(self, plan: WavePlan, samples, error: BaseException | None, first_step: int = 0,
-                     lands: bool = True) -> None:
-        sent = self._sent.pop(plan.wave_id, None) if lands else None
+    def _leave_flight(self, plan: WavePlan) -> float | None:
+        """A wave landed or failed: one wave fewer in flight; returns when it was sent."""
+        self._in_flight -= 1
+        self._streamed.pop(plan.wave_id, None)
+        return self._sent.pop(plan.wave_id, None)
+
+    def _finish_wave(self, plan: WavePlan, samples, error: BaseException | None, first_step: int = 0) -> None:
+        """Commit a wave's samples (a part before its last step leaves it in flight), or end or replay it."""
         if error is not None:
+            self._leave_flight(plan)  # before a recovery, which waits for every wave to be out of flight
             self.scheduler.abort_wave(plan)
             self._release(self.scheduler.take_releases())
             if isinstance(error, StationDown) and self._catchup is not None and self._catchup.error is None:
@@ -291,8 +291,9 @@ class Engine(RouteSwitching, RouteRecovery):
         result = self.scheduler.commit(plan, samples, first_step)
         self._release(result.released)
         now = time.monotonic()
+        sent = self._leave_flight(plan) if result.landed_steps else None
         if sent is not None:
-            ran = first_step + len(samples) // len(plan.entries)  # its steps (fewer than planned where ended early)
+            ran = result.landed_steps  # fewer than planned where the wave was ended early
             if len(plan.token_ids) == len(plan.entries):  # a decode-only wave: the pace a catch-up must keep, per step
                 self._wave_seconds.append((now - sent) / ran)
             if self._catchup is not None:  # per step: a several-step wave sent before the catch-up began is no slowdown

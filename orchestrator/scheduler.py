@@ -163,7 +163,7 @@ class Scheduler(RouteMoves):
         if not samples and first_step == flight.steps_done > 0:  # ended early, at a step committed already
             released: list[int] = []
             self._land(flight, released)
-            return CommitResult((), (), tuple(released))
+            return CommitResult((), (), tuple(released), flight.steps_done)
         if n < 1 or n * k != len(samples) or first_step != flight.steps_done or first_step + n > plan.steps:
             raise ValueError(f"wave {plan.wave_id}: {len(samples)} samples for {k} entries from step {first_step} "
                              f"({flight.steps_done} of its {plan.steps} steps committed)")
@@ -196,9 +196,10 @@ class Scheduler(RouteMoves):
                     self._take(seq, samples[row + i], events, finished)
         flight.steps_done += n
         released = []
-        if flight.steps_done == plan.steps:
+        landed = flight.steps_done == plan.steps
+        if landed:
             self._land(flight, released)
-        return CommitResult(tuple(events), tuple(finished), tuple(released))
+        return CommitResult(tuple(events), tuple(finished), tuple(released), flight.steps_done if landed else 0)
 
     def _land(self, flight: WaveFlight, released: list[int]) -> None:
         """A wave's last step is committed: its sequences leave flight, those that ended are dropped (into

@@ -86,6 +86,7 @@ class CommitResult:
     events: tuple[TokenEvent, ...]
     finished: tuple[int, ...]  # seq ids that finished (stop / length) at this commit
     released: tuple[int, ...]  # seq ids whose station KV must be released now
+    landed_steps: int = 0  # where this commit landed the wave (it left flight): the steps it ran; 0: still in flight
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ def test_a_wave_commits_part_by_part_and_releases_what_ended_when_it_lands():
     assert [(e.seq_id, e.token_id, e.finish_reason) for e in part.events if e.seq_id == 2] == [
         (2, 12, None), (2, 0, "stop")]
     assert part.finished == (2,) and part.released == ()  # its later steps still run at the stations
+    assert part.landed_steps == 0  # the wave stays in flight
     assert sched.plan(max_steps=6) is None  # every sequence is still in flight
     assert sched.cancel("c") == ()  # cancelled between parts: released when the wave lands
     with pytest.raises(ValueError, match="from step 0"):  # a part again, or out of order, is refused
@@ -59,6 +60,7 @@ def test_a_wave_commits_part_by_part_and_releases_what_ended_when_it_lands():
         sched.commit(plan, [None, SampledToken(15), SampledToken(15)] * 2, first_step=4)
     last = sched.commit(plan, [SampledToken(15)] * 6, first_step=4)
     assert [e.token_id for e in last.events] == [15, 15] and last.released == (2, 3)
+    assert last.landed_steps == 6
     assert sched.stats().kv_blocks_used < used and sched.stats().running == 1
     nxt = sched.plan(max_steps=1)
     assert [(e.seq_id, e.start_pos) for e in nxt.entries] == [(1, 3 + 6)]
@@ -219,7 +221,7 @@ def test_a_wave_ended_early_lands_at_its_committed_steps():
     sched.add(4, "d", (3, 4), SamplingParams(max_tokens=5))
     assert sched.admissible()  # a lane is free for it
     landed = sched.commit(plan, [], first_step=2)
-    assert landed.events == () and landed.released == (2,)
+    assert landed.events == () and landed.released == (2,) and landed.landed_steps == 2
     nxt = sched.plan(max_steps=1)
     assert [(e.seq_id, e.start_pos) for e in nxt.entries] == [(1, 5), (3, 3), (4, 0)]
     assert len(nxt.entries[0].blocks) == 2  # the table cut to the positions held, its reserved block kept aside
