@@ -19,9 +19,10 @@ run over all cores), and the limit (`sim_limit`): the busiest of the wave's path
 the modelled device time plus the hops), the machine's cores, the orchestrator's thread and the busiest station
 process, with how busy it was. A step is one K-row wave's step (requests x tokens / K of them); once only decodes
 run, a wave call runs up to --decode-steps of them (the lone station, or the first station of a direct chain, feeds each
-step's samples into the next), so "wave calls" counts fewer. `--rounds N` runs the whole sweep N times, P=1 first in
-each, and keeps for each point the round with the median ratio to its own round's P=1 (every round's ratio is shown):
-on a machine whose speed drifts within minutes, a point is then not weighed against a P=1 run at another moment.
+step's samples into the next; by default 4 on one station, 16 streamed every 4 on a chain), so "wave calls" counts
+fewer. `--rounds N` runs the whole sweep N times, P=1 first in each, and keeps for each point the round with the
+median ratio to its own round's P=1 (every round's ratio is shown): on a machine whose speed drifts within minutes,
+a point is then not weighed against a P=1 run at another moment.
 
 Real part: the `bench` preset over N = 2 and 3 real station processes (torch threads = cores // N; with
 --real-threads C each station has C threads and is pinned to C cores of its own, as a station actor with
@@ -146,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-layers", type=int, default=80)
     p.add_argument("--tokens", type=int, default=128, help="tokens per request (128: the steady state outweighs the pipeline's fill and drain)")
     p.add_argument("--decode-steps", type=int, default=SchedulerConfig().decode_steps,
-                   help="scheduler.decode_steps: decode steps per wave call once only decodes run")
+                   help="scheduler.decode_steps: decode steps per wave call once only decodes run (0: by route, "
+                        "16 on a direct chain, 4 on one station)")
     p.add_argument("--reply-steps", type=int, default=SchedulerConfig().reply_steps,
-                   help="scheduler.reply_steps: decode steps per streamed reply of such a call (0: one per call)")
+                   help="scheduler.reply_steps: decode steps per streamed reply of such a call (0: one per call; "
+                        "by route with --decode-steps 0: every 4 on a chain)")
     p.add_argument("--real-stations", type=ints, default=[2, 3])
     p.add_argument("--real-k", type=ints, default=[16, 32])
     p.add_argument("--real-device", default="cpu", help="the real stations' device (cuda: every station on one GPU)")

@@ -85,7 +85,7 @@ def stop_stations(procs: list[subprocess.Popen]) -> None:
             proc.kill()
 
 
-def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k: int, decode_steps: int = 4,
+def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k: int, decode_steps: int = 0,
               station_pids: tuple[int, ...] = (), wave_tokens: int = 0, reply_steps: int = 0) -> dict:
     """K-per-wave requests through an engine over `addresses` on `path`; wall, CPU (this process's and the station
     processes' `station_pids`), bytes, hops, token ids. `wave_tokens` (0: max(K, 64 per station)) is

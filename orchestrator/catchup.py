@@ -34,6 +34,7 @@ from orchestrator.scheduler_types import CatchUpProgress, WavePlan
 from orchestrator.sequence import Sequence
 
 MIN_ROWS = 16  # the smallest catch-up wave, and the step it grows by
+LEARN_WAVES = 3  # one-step old-route waves whose median is a busy route's baseline where none came before
 STALL_WAVES = 8  # catch-up waves without a smaller largest lag before the switch accepts a looser one
 
 
@@ -60,14 +61,16 @@ class CatchUp:
     def __init__(self, ledger: KVBlockLedger, wave_tokens: int, max_entries: int, ready_lag: int,
                  new_wave_id: Callable[[], int], started: float, baseline_s: float | None = None,
                  residual_rows: int | None = None, old_depth: int = 1, slowdown: float = 1.75,
-                 step: int = MIN_ROWS) -> None:
+                 step: int = MIN_ROWS, learn: bool = False) -> None:
         """An empty catch-up over `ledger` (the new route's blocks, every one free); wave ids from `new_wave_id`
         (the scheduler's counter, so no wave id is used twice at a station). `baseline_s`: the old route's wave
         time before the catch-up (None: it was idle), which paces the catch-up's wave size (`old_wave`).
         `residual_rows`: the rows the first wave on the new route may hold (default `wave_tokens`); `old_depth`:
         the old route's waves in flight (each carries about 1/old_depth of the running sequences); `slowdown`:
         `scheduler.catchup_slowdown` (0: no pacing); `step`: the smallest plan and the step it grows by (MIN_ROWS
-        for waves, more for copies, whose rows cost far less)."""
+        for waves, more for copies, whose rows cost far less); `learn`: the old route was busy with several-step
+        calls only, whose time per step is no measure of the one-step calls it runs during a catch-up: the baseline
+        is then the median of its first LEARN_WAVES one-step waves, the plans kept at `step` rows until then."""
         self.ledger = ledger
         self.wave_tokens, self.max_entries, self.ready_lag = wave_tokens, max_entries, ready_lag
         self.baseline_s = baseline_s if slowdown else None  # 0: unpaced
@@ -76,7 +79,8 @@ class CatchUp:
         self.old_depth = old_depth
         self._best_lag, self._best_wave = 1 << 62, 0  # the smallest largest-lag seen, and the catch-up wave then
         self._floor = self._step = min(step, wave_tokens)
-        self.rows = wave_tokens if self.baseline_s is None else self._floor  # the next wave's size: starts small
+        self._learnt: list[float] | None = [] if learn and slowdown and self.baseline_s is None else None
+        self.rows = wave_tokens if self.baseline_s is None and self._learnt is None else self._floor  # starts small
         self._new_wave_id = new_wave_id
         self.started = started
         self.shadows: dict[int, Sequence] = {}
@@ -193,14 +197,19 @@ class CatchUp:
                 out.append(e.seq_id)
         return tuple(out)
 
-    def old_wave(self, seconds: float) -> None:
-        """The old route committed a wave that took `seconds` from send to commit: the pacing. Where both routes
-        share hardware a catch-up wave delays the old route's next one, so its wave time is the streams' token
-        gap. Plans start at `step` rows (MIN_ROWS for waves); while the old route's waves stay within `slowdown` x their time
-        before the catch-up they grow by `step` (up to `wave_tokens`), and a slower one cuts them by a quarter
-        (never below `step`; `plan` takes at least twice what one old-route wave adds, so the catch-up always gains). On hardware of its own the catch-up slows nothing and
-        soon runs at `wave_tokens`."""
+    def old_wave(self, seconds: float, steps: int = 1) -> None:
+        """The old route committed a wave of `steps` steps that took `seconds` a step from send to commit: the
+        pacing. Where both routes share hardware a catch-up wave delays the old route's next one, so its wave time
+        is the streams' token gap. Plans start at `step` rows (MIN_ROWS for waves); while the old route's waves stay
+        within `slowdown` x their time before the catch-up (or the learnt one) they grow by `step` (up to
+        `wave_tokens`), and a slower one cuts them by a quarter (never below `step`; `plan` takes at least twice what
+        one old-route wave adds, so the catch-up always gains). On hardware of its own the catch-up slows nothing
+        and soon runs at `wave_tokens`."""
         if self.baseline_s is None:
+            if self._learnt is not None and steps == 1:
+                self._learnt.append(seconds)
+                if len(self._learnt) == LEARN_WAVES:
+                    self.baseline_s = sorted(self._learnt)[LEARN_WAVES // 2]
             return
         if seconds > self.slowdown * self.baseline_s:
             self.rows = max(self._floor, self.rows * 3 // 4)

@@ -88,7 +88,7 @@ class Engine(RouteSwitching, RouteRecovery):
         self._sent: dict[int, float] = {}  # wave id -> when it entered the pipeline
         self._streamed: dict[int, WavePlan] = {}  # streamed several-step waves in flight, not asked to end early
         self.waves_ended_early = 0  # streamed waves asked to end before their last step
-        self._wave_seconds: deque = deque(maxlen=16)  # send-to-commit times of the latest decode-only waves (catch-up pacing)
+        self._wave_seconds: deque = deque(maxlen=16)  # send-to-commit times of the latest one-step decode-only waves
         self._thread = threading.Thread(target=self._run, name="wave-loop", daemon=True)
         self._thread.start()
 
@@ -238,13 +238,16 @@ class Engine(RouteSwitching, RouteRecovery):
 
     def _fill(self) -> None:
         depth = self.pipeline.depth + self.config.extra_waves
-        # several decode steps per call where the pipeline runs them, no route switch under way
-        steps = self.config.decode_steps if self._catchup is None and self.pipeline.runs_decode_steps(depth) else 1
+        # several decode steps per call (by route: SchedulerConfig.call_steps) where the pipeline runs them, no
+        # route switch under way
+        steps, reply_steps = self.config.call_steps(self.pipeline.depth)
+        if self._catchup is not None or not self.pipeline.runs_decode_steps(depth):
+            steps = 1
         while self._in_flight < depth and not self.route.paused:
             cap = None
             if depth > 1:
                 cap = max(1, math.ceil(min(self.scheduler.live(), self.config.max_seqs) / depth))
-            plan = self.scheduler.plan(max_entries=cap, max_steps=steps)
+            plan = self.scheduler.plan(max_entries=cap, max_steps=steps, reply_steps=reply_steps)
             self._release(self.scheduler.take_releases())
             if plan is None:
                 break
@@ -294,10 +297,10 @@ class Engine(RouteSwitching, RouteRecovery):
         sent = self._leave_flight(plan) if result.landed_steps else None
         if sent is not None:
             ran = result.landed_steps  # fewer than planned where the wave was ended early
-            if len(plan.token_ids) == len(plan.entries):  # a decode-only wave: the pace a catch-up must keep, per step
-                self._wave_seconds.append((now - sent) / ran)
+            if len(plan.token_ids) == len(plan.entries) and ran == 1:  # the pace a catch-up must keep: a decode-only
+                self._wave_seconds.append(now - sent)  # wave of one step, as the old route runs during a catch-up
             if self._catchup is not None:  # per step: a several-step wave sent before the catch-up began is no slowdown
-                self._catchup.old_wave((now - sent) / ran)
+                self._catchup.old_wave((now - sent) / ran, ran)
         if self.on_wave is not None and sent is not None:
             rows = len(plan.token_ids)
             self.on_wave(rows, rows / self.config.max_wave_tokens, now - sent)

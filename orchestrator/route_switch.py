@@ -122,13 +122,13 @@ class RouteSwitching:
                 row_bytes = 2 * self.model.num_key_value_heads * self.model.head_dim * DTYPE_BYTES[links[0].kv().dtype]
                 copier = KVCopier(list(self.pipeline.links), links, row_bytes, limits.block_tokens, self._on_wave_done)
             old_depth = self.pipeline.depth + self.config.extra_waves
-            recent = sorted(self._wave_seconds)
-            baseline = recent[len(recent) // 2] if recent and self.scheduler.running() else None
+            recent, busy = sorted(self._wave_seconds), bool(self.scheduler.running())
+            baseline = recent[len(recent) // 2] if recent and busy else None  # else learnt where busy (CatchUp)
             rows = self.config.catchup_copy_tokens if copier else self.config.catchup_wave_tokens
             cu = CatchUp(self.scheduler.new_ledger(limits), rows, self.config.max_seqs,
                          old_depth + (copier or pipeline).depth, self.scheduler.new_wave_id, t0, baseline,
                          self.config.max_wave_tokens, old_depth, self.config.catchup_slowdown,
-                         max(MIN_ROWS, rows // 16) if copier else MIN_ROWS)
+                         max(MIN_ROWS, rows // 16) if copier else MIN_ROWS, learn=busy and not recent)
             self._catchup, self._catchup_pipeline, self._catchup_copier = cu, pipeline, copier
             if copier is not None:
                 copier.forgotten = cu.forgotten

@@ -88,9 +88,10 @@ class Scheduler(RouteMoves):
         else:
             self._waiting.push_back(seq)
 
-    def plan(self, max_entries: int | None = None, max_steps: int = 1) -> WavePlan | None:
+    def plan(self, max_entries: int | None = None, max_steps: int = 1, reply_steps: int = 0) -> WavePlan | None:
         """Build the next wave from sequences not in flight (None when nothing can be scheduled); a wave of
-        decodes only, with nothing else to schedule, may run up to `max_steps` decode steps in one call."""
+        decodes only, with nothing else to schedule, may run up to `max_steps` decode steps in one call, its
+        samples streamed back every `reply_steps` of them (0, or as many as the call runs: at its end)."""
         lanes = self.config.max_seqs + len(self._probes)
         cap = lanes if max_entries is None else max_entries
         if cap < 1:
@@ -107,7 +108,7 @@ class Scheduler(RouteMoves):
         if not wave.entries:
             return None
         steps = wave.decode_steps(max_steps, self.limits.max_context, len(self._waiting), len(ready))
-        reply_steps = self.config.reply_steps if 0 < self.config.reply_steps < steps else 0
+        reply_steps = reply_steps if 0 < reply_steps < steps else 0
         plan = WavePlan(tuple(wave.entries), tuple(wave.tokens), self._next_wave_id, tuple(wave.admitted), steps,
                         reply_steps)
         self._next_wave_id += 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from mesh.core.config import ModelConfig, SchedulerConfig, StationSpec
+from mesh.core.config import ConfigError, ModelConfig, SchedulerConfig, StationSpec
 from mesh.core.params import SamplingParams
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
@@ -92,6 +92,39 @@ def test_a_chain_of_stations_keeps_one_step_per_call(tiny_llama):
     one, _ = _serve(tiny_llama, 1, prompts, params)
     chain, _ = _serve(tiny_llama, 8, prompts, params, ranges=((0, 3), (3, 6)))
     assert [o.token_ids for o in chain] == [o.token_ids for o in one]
+
+
+def test_a_lone_station_runs_4_steps_a_call_by_default(tiny_llama, monkeypatch):
+    """At the default decode_steps (0: by route) a lone station's calls run up to 4 steps with one reply each
+    (SchedulerConfig.call_steps); the tokens are those of one step per call."""
+    asked: list[tuple[int, int]] = []
+    real = Scheduler.plan
+
+    def recorded(self, max_entries=None, max_steps=1, reply_steps=0):
+        plan = real(self, max_entries, max_steps, reply_steps)
+        if plan is not None:
+            asked.append((plan.steps, plan.reply_steps))
+        return plan
+
+    monkeypatch.setattr(Scheduler, "plan", recorded)
+    prompts, params = _jobs(4)
+    got, _ = _serve(tiny_llama, 0, prompts, params)
+    one, _ = _serve(tiny_llama, 1, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in one]
+    assert max(s for s, _ in asked) == 4 and {r for _, r in asked} == {0}, asked
+
+
+def test_call_steps_by_route():
+    """decode_steps 0 picks the call's shape by route; a set decode_steps is used as given on any route."""
+    auto = SchedulerConfig()
+    assert (auto.call_steps(1), auto.call_steps(2), auto.call_steps(8)) == ((4, 0), (16, 4), (16, 4))
+    assert SchedulerConfig(reply_steps=2).call_steps(3) == (16, 2)
+    assert SchedulerConfig(reply_steps=2).call_steps(1) == (4, 2)
+    assert SchedulerConfig(decode_steps=8).call_steps(2) == (8, 0) == SchedulerConfig(decode_steps=8).call_steps(1)
+    assert SchedulerConfig(decode_steps=1, reply_steps=4).call_steps(2) == (1, 4)
+    for bad in (-1, 65, 2.5):
+        with pytest.raises(ConfigError, match="decode_steps"):
+            SchedulerConfig(decode_steps=bad)
 
 
 @contextmanager

@@ -130,6 +130,24 @@ def test_direct_chains_stream_the_samples_of_several_steps(tiny_llama, reference
     assert len(parts) >= 2 and all(len(h) > 0 for h in pipeline.hop_seconds), parts
 
 
+@pytest.mark.parametrize("n", sorted(CHAINS))
+def test_a_direct_chain_streams_long_calls_by_default(tiny_llama, reference, chains, n, monkeypatch):
+    """At the default decode_steps (0: by route, SchedulerConfig.call_steps) a direct chain's decode-only calls run
+    more steps than a lone station's 4 (up to 16) with their samples streamed every 4: one station's tokens."""
+    prompts, params, ref = reference
+    calls: list[tuple[int, int]] = []
+    real = StationClient.forward_steps
+
+    def recorded(self, wave_id, entries, token_ids, steps, reply_steps, **kw):
+        calls.append((steps, reply_steps))
+        yield from real(self, wave_id, entries, token_ids, steps, reply_steps, **kw)
+
+    monkeypatch.setattr(StationClient, "forward_steps", recorded)
+    got, _, _ = _run(tiny_llama, chains[n], "direct", prompts, params, decode_steps=0)
+    assert got == ref
+    assert calls and {r for _, r in calls} == {4} and max(s for s, _ in calls) > 4, calls
+
+
 def test_a_relayed_streamed_call_ends_early_with_every_station_agreeing(tiny_llama, reference, chains):
     """EndSteps at the first station of a 3-station chain during a 20-step streamed call: its stream ends OK after
     the step under way, and a plain relayed call from the steps that came goes on at every station (a station

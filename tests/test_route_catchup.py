@@ -329,3 +329,26 @@ def test_catchup_waves_are_paced_by_the_old_routes_wave_time():
                    started=0.0)
     idle.old_wave(5.0)
     assert idle.rows == 64 and idle.plan([s]).entries[0].n_tokens == 64
+
+
+def test_a_busy_route_of_several_step_calls_learns_its_baseline():
+    """An old route busy with several-step calls only has no one-step wave time to pace by (its time per step in
+    a long call is no measure of the one-step calls it runs during a catch-up): the plans stay at their floor until
+    three one-step old-route waves set the baseline (their median), a several-step wave landing meanwhile not
+    counted; then the pacing is as usual. Unpaced (slowdown 0) it runs at the full size at once."""
+    def catchup(**kw):
+        return CatchUp(KVBlockLedger(64, 16), wave_tokens=64, max_entries=8, ready_lag=2, new_wave_id=lambda: 0,
+                       started=0.0, learn=True, **kw)
+    cu = catchup()
+    assert cu.rows == 16 and cu.baseline_s is None
+    cu.old_wave(0.01, steps=16)  # a long call sent before the catch-up began
+    cu.old_wave(0.1)
+    cu.old_wave(0.3)
+    assert cu.rows == 16 and cu.baseline_s is None
+    cu.old_wave(0.2)
+    assert cu.baseline_s == 0.2 and cu.rows == 16
+    cu.old_wave(0.3)  # within 1.75 x 0.2: grows
+    assert cu.rows == 32
+    cu.old_wave(0.4)  # slower: a quarter off
+    assert cu.rows == 24
+    assert catchup(slowdown=0).rows == 64

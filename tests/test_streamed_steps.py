@@ -28,9 +28,9 @@ TOKEN = "steps-token"
 
 
 # ---- the scheduler, with hand-made samples ---------------------------------------------------------------------
-def _decoding(reply_steps=2):
+def _decoding():
     """A scheduler with three prefilled sequences (seq 2 ends on token 0, the EOS), ready for a decode wave."""
-    sched = Scheduler(SchedulerConfig(max_seqs=4, max_wave_tokens=64, reply_steps=reply_steps),
+    sched = Scheduler(SchedulerConfig(max_seqs=4, max_wave_tokens=64),
                       KVLimits(max_context=64, kv_blocks=32, block_tokens=4), eos_token_ids=(0,))
     sched.add(1, "a", (5, 6, 7), SamplingParams(max_tokens=20, ignore_eos=True))
     sched.add(2, "b", (5, 6), SamplingParams(max_tokens=20))
@@ -41,7 +41,7 @@ def _decoding(reply_steps=2):
 
 def test_a_wave_commits_part_by_part_and_releases_what_ended_when_it_lands():
     sched = _decoding()
-    plan = sched.plan(max_steps=6)
+    plan = sched.plan(max_steps=6, reply_steps=2)
     assert (plan.steps, plan.reply_steps) == (6, 2)
     used = sched.stats().kv_blocks_used
     part = sched.commit(plan, [SampledToken(11), SampledToken(12), SampledToken(13),
@@ -70,7 +70,7 @@ def test_an_aborted_wave_keeps_the_parts_it_committed():
     """A wave that fails after a part: its sequences leave flight where that part left them, and are replanned
     from there; a sequence cancelled meanwhile is released."""
     sched = _decoding()
-    plan = sched.plan(max_steps=4)
+    plan = sched.plan(max_steps=4, reply_steps=2)
     sched.commit(plan, [SampledToken(11), SampledToken(12), SampledToken(13)] * 2)
     sched.cancel("b")
     sched.abort_wave(plan)
@@ -85,8 +85,8 @@ def test_reply_steps_are_validated():
         SchedulerConfig(reply_steps=-1)
     with pytest.raises(ConfigError, match="reply_steps"):
         SchedulerConfig(reply_steps=65)
-    sched = _decoding(reply_steps=8)
-    assert sched.plan(max_steps=4).reply_steps == 0  # a part as long as the call: one reply at its end
+    sched = _decoding()
+    assert sched.plan(max_steps=4, reply_steps=8).reply_steps == 0  # a part as long as the call: one reply at its end
 
 
 # ---- an engine over an in-process station ----------------------------------------------------------------------
@@ -213,7 +213,7 @@ def _hidden():
 # ---- ending a streamed call early ------------------------------------------------------------------------------
 def test_a_wave_ended_early_lands_at_its_committed_steps():
     sched = _decoding()
-    plan = sched.plan(max_steps=6)
+    plan = sched.plan(max_steps=6, reply_steps=2)
     with pytest.raises(ValueError):  # nothing committed yet: not a wave that ran and was ended
         sched.commit(plan, [])
     sched.commit(plan, [SampledToken(11), SampledToken(0), SampledToken(13)] * 2)  # seq 2 ends on the EOS

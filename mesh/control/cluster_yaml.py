@@ -49,7 +49,7 @@ _SCHEMA = {  # section: {key: kind}
     "model": {"path": "str", "preset": "str", "arch": "str", "packed_cache": "opt_str"},
     "scheduler": {"max_seqs": "pos_int", "max_wave_tokens": "pos_int", "max_queue": "pos_int",
                   "short_first": "bool", "short_prompt_tokens": "pos_int", "max_skips": "pos_int",
-                  "extra_waves": "nonneg_int", "decode_steps": "pos_int", "reply_steps": "nonneg_int",
+                  "extra_waves": "nonneg_int", "decode_steps": "nonneg_int", "reply_steps": "nonneg_int",
                   "prefix_cache": "bool", "hidden_path": "str",
                   "route_switch": "str", "catchup_kv": "str", "catchup_copy_tokens": "pos_int", "catchup_wave_tokens": "pos_int", "catchup_slowdown": "nonneg_num"},
     "api": {"host": "str", "port": "int", "api_key": "opt_str", "model_name": "opt_str", "max_n": "pos_int",
