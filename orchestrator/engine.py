@@ -14,14 +14,13 @@ to change, ends such waves early (orchestrator.streamed_steps).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import queue
 import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from mesh.core.config import ModelConfig, SchedulerConfig
@@ -34,18 +33,11 @@ from orchestrator.route_switch import CatchUpFailed, RouteSwitching
 from orchestrator.scheduler_types import EngineStats
 from orchestrator.scheduler import AdmissionError, Scheduler, WavePlan
 from orchestrator.switch_pause import SwitchPauses
-from orchestrator.stream import CompletionOutput, RequestStream, StreamEvent, TextTracker, TokenLogprob
+from orchestrator.request_table import RequestTable
+from orchestrator.stream import CompletionOutput, RequestStream, TextTracker
 
 __all__ = ["AdmissionError", "CatchUpFailed", "Engine", "EngineStats"]
 _WAKE, _STOP = object(), object()
-
-
-@dataclass(slots=True)
-class _Live:
-    stream: RequestStream
-    trackers: list[TextTracker]
-    seq_ids: list[int]
-    open: set[int]
 
 
 class Engine(RouteSwitching, RouteRecovery):
@@ -67,9 +59,7 @@ class Engine(RouteSwitching, RouteRecovery):
         self._lock = threading.Condition(threading.RLock())  # the route machine takes it inside our holds
         self.route = RouteMachine(self._lock)
         self._inbox: queue.Queue = queue.Queue()
-        self._live: dict[str, _Live] = {}
-        self._seq_owner: dict[int, tuple[str, int]] = {}
-        self._seq_ids = itertools.count()
+        self.requests = RequestTable()  # the live requests' streams and their sequences' owners
         self._in_flight = 0
         self._rates: deque = deque()
         self._rate_window = rate_window_s
@@ -105,23 +95,18 @@ class Engine(RouteSwitching, RouteRecovery):
         stream = RequestStream(request_id, n, loop)
         with self._lock:
             self.route.check_admission()  # 503 shutting_down / route_down
-            if request_id in self._live:
+            if request_id in self.requests:
                 raise AdmissionError("invalid", 400, f"request_id {request_id!r} is already running", "request_id")
-            live = _Live(stream, [TextTracker(self.tokenizer, params.stop) for _ in range(n)], [], set())
+            self.requests.open(request_id, stream, [TextTracker(self.tokenizer, params.stop) for _ in range(n)])
             try:
                 for i in range(n):
-                    seq_id = next(self._seq_ids)
                     choice = params if n == 1 else replace(params, seed=(params.seed + i) % 2**63)
-                    self.scheduler.add(seq_id, request_id, tuple(prompt_ids), choice, probe)
-                    live.seq_ids.append(seq_id)
-                    live.open.add(seq_id)
-                    self._seq_owner[seq_id] = (request_id, i)
+                    self.scheduler.add(self.requests.new_sequence(request_id, i), request_id, tuple(prompt_ids),
+                                       choice, probe)
             except AdmissionError:
                 self._release(self.scheduler.cancel(request_id))
-                for s in live.seq_ids:
-                    self._seq_owner.pop(s, None)
+                self.requests.drop(request_id)
                 raise
-            self._live[request_id] = live
         self._inbox.put(_WAKE)
         return stream
 
@@ -133,12 +118,10 @@ class Engine(RouteSwitching, RouteRecovery):
     def cancel(self, request_id: str) -> bool:
         """Cancel a request in any state; its KV is freed within a wave. False if it is not live."""
         with self._lock:
-            live = self._live.pop(request_id, None)
-            if live is None:
+            if request_id not in self.requests:
                 return False
             self._release(self.scheduler.cancel(request_id))
-            for seq_id in sorted(live.open):
-                live.stream.push(StreamEvent(self._seq_owner.pop(seq_id)[1], finish_reason="cancelled"))
+            self.requests.cancel(request_id)
             self._lock.notify_all()
         self._inbox.put(_WAKE)
         return True
@@ -190,12 +173,12 @@ class Engine(RouteSwitching, RouteRecovery):
     def idle(self) -> bool:
         """True when no request is live (queued or running)."""
         with self._lock:
-            return not self._live
+            return not self.requests
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no request is live (queued or running); False if some still are after `timeout` s."""
         with self._lock:
-            return self._lock.wait_for(lambda: not self._live, timeout)
+            return self._lock.wait_for(lambda: not self.requests, timeout)
 
     def quiesce(self, timeout: float = 30.0) -> bool:
         """Wait until no wave is in flight and every queued release has reached the stations."""
@@ -210,7 +193,7 @@ class Engine(RouteSwitching, RouteRecovery):
         """Stop the wave loop and the station workers; live requests end as cancelled."""
         with self._lock:
             self.route.close()
-            request_ids = list(self._live)
+            request_ids = self.requests.request_ids()
         for request_id in request_ids:
             self.cancel(request_id)
         self._inbox.put(_STOP)
@@ -255,11 +238,7 @@ class Engine(RouteSwitching, RouteRecovery):
             now = time.monotonic()
             self._sent[plan.wave_id] = now
             for seq_id, cached in plan.admitted:
-                if (owner := self._seq_owner.get(seq_id)) is not None:
-                    stream = self._live[owner[0]].stream
-                    stream.scheduled_at = stream.scheduled_at or now
-                    if owner[1] == 0:
-                        stream.cached_tokens = cached
+                self.requests.scheduled(seq_id, cached, now)
             self.pipeline.submit(plan)
             if 0 < plan.reply_steps < plan.steps:
                 self._streamed[plan.wave_id] = plan
@@ -311,36 +290,21 @@ class Engine(RouteSwitching, RouteRecovery):
             self.switch_pauses.token(ev.seq_id, now)
             if self._catchup is not None:
                 self._catchup.old_commit(ev.seq_id)
-            owner = self._seq_owner.get(ev.seq_id)
-            if owner is None:
-                continue
-            live, index = self._live[owner[0]], owner[1]
-            text, stopped = live.trackers[index].add(ev.token_id)
-            reason = "stop" if stopped else ev.finish_reason
-            if reason is not None and not stopped:
-                text += live.trackers[index].flush()
-            lp = (TokenLogprob(ev.token_id, ev.logprob, tuple(ev.top_logprobs)),) if ev.logprob is not None else ()
-            live.stream.push(StreamEvent(index, (ev.token_id,), text, lp, reason))
-            if reason is not None:
+            if (reason := self.requests.push_token(ev)) is not None:
                 if ev.finish_reason is None:
                     self._release(self.scheduler.finish(ev.seq_id, reason))
                 self._forget(ev.seq_id)
 
     def _end(self, seq_id: int, reason: str, error: str | None = None) -> None:
-        owner = self._seq_owner.get(seq_id)
-        if owner is None:
+        if not self.requests.owns(seq_id):
             return
         self._release(self.scheduler.finish(seq_id, reason))
-        self._live[owner[0]].stream.push(StreamEvent(owner[1], finish_reason=reason, error=error))
+        self.requests.end(seq_id, reason, error)
         self._forget(seq_id)
 
     def _forget(self, seq_id: int) -> None:
         self.switch_pauses.forget(seq_id)
-        request_id, _ = self._seq_owner.pop(seq_id)
-        live = self._live[request_id]
-        live.open.discard(seq_id)
-        if not live.open:
-            del self._live[request_id]
+        if self.requests.forget(seq_id):  # the request's last open sequence: it is gone
             self._lock.notify_all()
 
     def _release(self, seq_ids) -> None:

@@ -39,7 +39,7 @@ class RouteRecovery:
             except Exception as e:  # noqa: BLE001 - the station is not back: end what needed it, keep trying
                 with self._lock:
                     if self.route.fail_recovery(f"{type(e).__name__}: {e}"):
-                        for seq_id in list(self._seq_owner):
+                        for seq_id in self.requests.seq_ids():
                             self._end(seq_id, "error", f"a station was lost and did not come back: {e}")
                     self._lock.wait_for(lambda: self.route.closed, self._recover_retry_s)
         with self._lock:

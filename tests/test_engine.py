@@ -43,7 +43,7 @@ def _assert_empty(engine):
     assert engine.quiesce(30)
     s = engine.stats()
     assert (s.running, s.waiting, s.waves_in_flight, s.kv_bytes_used) == (0, 0, 0, 0)
-    assert not engine._live and not engine._seq_owner
+    assert not engine.requests and not engine.requests.seq_ids()
 
 
 @pytest.mark.parametrize("max_seqs", [1, 2, 4, 8, 16])
