@@ -11,7 +11,8 @@ arrive. Per switch: the longest gap between two tokens of any stream while the s
 first token of every stream on the new route: catch-up included), the gap across the swap itself, the engine's
 own figure (wavemesh_route_switch_pause_seconds: the longest wait of a stream for its first token on the new
 route), the median gap before the switch, the catch-up time, and longest gap / median gap (issue 14's target:
-at most 3x).
+at most 3x). A gap is between two deliveries of a stream: its tokens that arrive together (within BURST_S, a
+several-step call's reply) are one delivery, so the measure is a stream's wait for its next tokens.
 
 Modes: `copy` and `recompute` are make before break (the new stations build every live sequence's KV while the old
 route decodes, then the route switches): `copy` copies the old stations' KV to the new ones (the default,
@@ -42,6 +43,16 @@ from orchestrator.pipeline import LocalLink
 from station.step import Station
 
 TARGET_GAP_RATIO = 3.0
+BURST_S = 1e-3  # a stream's tokens arriving within this of the one before came in one delivery (one call's reply)
+
+
+def deliveries(times: list[float]) -> list[float]:
+    """When a stream's deliveries arrived: the first of each run of tokens each within BURST_S of the one before."""
+    out: list[float] = []
+    for i, t in enumerate(times):
+        if i == 0 or t - times[i - 1] > BURST_S:
+            out.append(t)
+    return out
 
 
 def _wait_tokens(times: list[list[float]], n: int, timeout: float) -> None:
@@ -98,7 +109,7 @@ def run_mode(mode: str, a, model_dir, cfg: ModelConfig) -> list[dict]:
                 time.sleep(0.01)
             during, catching, across, before = [], [], [], []
             t_pause = t0 + report.catchup_seconds
-            for t in times:
+            for t in map(deliveries, times):
                 gaps = list(zip(t, t[1:]))
                 during += [y - x for x, y in gaps if y > t0 and x < t_end]
                 catching += [y - x for x, y in gaps if x >= t0 and y <= t_pause]
