@@ -107,6 +107,7 @@ class RouteSwitching:
             old = self.pipeline
             released = self.scheduler.rebase(limits)
             self.pipeline = make_pipeline(links, self._on_wave_done, self.config.hidden_path)
+            self._wave_seconds.clear()  # the old route's pace is no baseline for the new one's next switch
         old.release(released)  # reused stations drop the old KV before the new pipeline sends a wave
         old.barrier()
         old.close()
@@ -166,6 +167,7 @@ class RouteSwitching:
                     raise CatchUpFailed(f"route not switched, the old route serves on: {cu.error or 'engine closed'}")
                 released, residual = self.scheduler.adopt(limits, cu.ledger, cu.shadows, cu.no_room)
                 old, self.pipeline = self.pipeline, pipeline
+                self._wave_seconds.clear()  # the old route's pace is no baseline for the new one's next switch
                 self._catchup = self._catchup_copier = None
                 self.switch_pauses.begin()
                 self.replayed_sequences += len(cu.no_room)

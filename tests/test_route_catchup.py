@@ -352,3 +352,17 @@ def test_a_busy_route_of_several_step_calls_learns_its_baseline():
     cu.old_wave(0.4)  # slower: a quarter off
     assert cu.rows == 24
     assert catchup(slowdown=0).rows == 64
+
+
+@pytest.mark.parametrize("switch", ["catchup", "pause"])
+def test_a_switch_forgets_the_old_routes_wave_times(tiny_llama, switch):
+    """The pace a catch-up keeps to is the route's own: after a switch (make before break, or pause) the old route's
+    one-step wave times are no baseline for the next one."""
+    engine = Engine(_links(tiny_llama, ((0, 6),)), ModelConfig.from_dir(tiny_llama),
+                    SchedulerConfig(max_seqs=4, max_wave_tokens=64, route_switch=switch))
+    try:
+        engine._wave_seconds.extend([0.05] * 3)  # an idle engine: no wave adds to them meanwhile
+        engine.switch_route(_links(tiny_llama, ((0, 3), (3, 6))))
+        assert len(engine.pipeline.links) == 2 and not engine._wave_seconds
+    finally:
+        engine.close()
