@@ -78,7 +78,7 @@ class Engine(RouteSwitching, RouteRecovery):
         self._sent: dict[int, float] = {}  # wave id -> when it entered the pipeline
         self._streamed: dict[int, WavePlan] = {}  # streamed several-step waves in flight, not asked to end early
         self.waves_ended_early = 0  # streamed waves asked to end before their last step
-        self._wave_seconds: deque = deque(maxlen=16)  # send-to-commit times of the latest one-step decode-only waves
+        self._wave_seconds: deque = deque(maxlen=16)  # one-step decode-only waves since the last several-step one
         self._thread = threading.Thread(target=self._run, name="wave-loop", daemon=True)
         self._thread.start()
 
@@ -276,8 +276,11 @@ class Engine(RouteSwitching, RouteRecovery):
         sent = self._leave_flight(plan) if result.landed_steps else None
         if sent is not None:
             ran = result.landed_steps  # fewer than planned where the wave was ended early
-            if len(plan.token_ids) == len(plan.entries) and ran == 1:  # the pace a catch-up must keep: a decode-only
-                self._wave_seconds.append(now - sent)  # wave of one step, as the old route runs during a catch-up
+            if len(plan.token_ids) == len(plan.entries):  # the pace a catch-up must keep: one-step decode-only waves
+                if ran > 1:  # (as the old route runs during a catch-up) since the route last ran several steps a call
+                    self._wave_seconds.clear()
+                else:
+                    self._wave_seconds.append(now - sent)
             if self._catchup is not None:  # per step: a several-step wave sent before the catch-up began is no slowdown
                 self._catchup.old_wave((now - sent) / ran, ran)
         if self.on_wave is not None and sent is not None:

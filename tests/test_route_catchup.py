@@ -366,3 +366,16 @@ def test_a_switch_forgets_the_old_routes_wave_times(tiny_llama, switch):
         assert len(engine.pipeline.links) == 2 and not engine._wave_seconds
     finally:
         engine.close()
+
+
+def test_one_step_wave_times_do_not_outlive_several_step_calls(tiny_llama):
+    """The catch-up's baseline is the one-step waves' time since the route last ran several steps a call: times
+    from before (here planted) do not survive a several-step call, so a switch then learns the route's pace afresh."""
+    engine = Engine(_links(tiny_llama, ((0, 6),)), ModelConfig.from_dir(tiny_llama),
+                    SchedulerConfig(max_seqs=4, max_wave_tokens=64))  # a lone station: 4 steps a call by default
+    try:
+        engine._wave_seconds.extend([0.05] * 3)
+        engine.generate([1, 5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True), timeout=60)
+        assert 0.05 not in engine._wave_seconds
+    finally:
+        engine.close()
