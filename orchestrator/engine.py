@@ -14,6 +14,7 @@ to change, ends such waves early (orchestrator.streamed_steps).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import queue
 import threading
@@ -37,6 +38,7 @@ from orchestrator.request_table import RequestTable
 from orchestrator.stream import CompletionOutput, RequestStream, TextTracker
 
 __all__ = ["AdmissionError", "CatchUpFailed", "Engine", "EngineStats"]
+log = logging.getLogger(__name__)
 _WAKE, _STOP = object(), object()
 
 
@@ -208,16 +210,23 @@ class Engine(RouteSwitching, RouteRecovery):
         self._inbox.put((plan, samples, error, first_step))
 
     def _run(self) -> None:
-        while (item := self._inbox.get()) is not _STOP:
+        try:
+            while (item := self._inbox.get()) is not _STOP:
+                with self._lock:
+                    if item is not _WAKE and item[0].wave_id in self._catchup_waves:
+                        self._catchup_wave_done(item[0], item[2])
+                        self._lock.notify_all()  # the route switch waits on the catch-up's progress
+                    elif item is not _WAKE:
+                        self._finish_wave(*item)
+                        self._lock.notify_all()  # idle waits: a wave came back, requests may have ended
+                    self._fill()
+                    self._fill_catchup()
+        except Exception as e:  # a fault of the loop itself: no request may wait on a loop that is gone
+            log.exception("the wave loop failed; every live request ends with its error, new ones are refused")
             with self._lock:
-                if item is not _WAKE and item[0].wave_id in self._catchup_waves:
-                    self._catchup_wave_done(item[0], item[2])
-                    self._lock.notify_all()  # the route switch waits on the catch-up's progress
-                elif item is not _WAKE:
-                    self._finish_wave(*item)
-                    self._lock.notify_all()  # idle waits: a wave came back, requests may have ended
-                self._fill()
-                self._fill_catchup()
+                self.route.close()
+                self.requests.end_all(f"the engine's wave loop failed: {type(e).__name__}: {e}")
+                self._lock.notify_all()
 
     def _fill(self) -> None:
         depth = self.pipeline.depth + self.config.extra_waves
@@ -258,6 +267,9 @@ class Engine(RouteSwitching, RouteRecovery):
     def _finish_wave(self, plan: WavePlan, samples, error: BaseException | None, first_step: int = 0) -> None:
         """Commit a wave's samples (a part before its last step leaves it in flight), or end or replay it."""
         if error is not None:
+            if plan.wave_id not in self._sent:  # a pipeline's report on a wave that already landed: none to end
+                log.error("wave %d failed after it landed (ignored): %s", plan.wave_id, error)
+                return
             self._leave_flight(plan)  # before a recovery, which waits for every wave to be out of flight
             self.scheduler.abort_wave(plan)
             self._release(self.scheduler.take_releases())

@@ -115,3 +115,9 @@ class RequestTable:
             return False
         del self._live[request_id]
         return True
+
+    def end_all(self, error: str) -> None:
+        """End every open choice of every live request with `error` and forget them all."""
+        for seq_id in self.seq_ids():
+            self.end(seq_id, "error", error)
+            self.forget(seq_id)

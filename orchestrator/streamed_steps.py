@@ -45,12 +45,19 @@ def deliver_parts(plan: WavePlan, parts: Iterable[list[SampledToken | None]], on
                   ends: EarlyEnds, station: str) -> None:
     """Hand each part's samples of the streamed wave `plan` to `on_done(plan, samples, None, first_step)` as it
     comes; a stream that ends before the wave's last step lands it with an empty part where `ends` asked for that,
-    and raises StationDown otherwise. Raises what the stream raises, after the parts that came."""
+    and raises StationDown otherwise. Raises what the stream raises before the wave's last step, after the parts
+    that came (what it raises after the last step is logged: the wave landed)."""
     step = 0
     try:
         for samples in parts:
             on_done(plan, samples, None, step)
             step += len(samples) // len(plan.entries)
+    except Exception as e:
+        if step < plan.steps:
+            raise
+        # the last part landed the wave: a stream that breaks after it (a station hung or killed before its call's
+        # end) fails no wave; the route's next call to that station finds it
+        log.warning("station %s: the stream of wave %d failed after its last step: %s", station, plan.wave_id, e)
     finally:
         asked = ends.take(plan.wave_id)
     if step < plan.steps:

@@ -16,7 +16,7 @@ from mesh.core.proto import station_pb2_grpc
 from mesh.core.wave import SampledToken, WaveEntry
 from mesh.core.wire import encode_forward
 from orchestrator.engine import Engine
-from orchestrator.pipeline import LocalLink
+from orchestrator.pipeline import LocalLink, StationDown
 from orchestrator.scheduler import KVLimits, Scheduler
 from station.client import StationCallError, StationClient
 from station.generate import generate_one
@@ -304,6 +304,74 @@ def test_a_stream_that_ends_short_unasked_is_a_station_failure(tiny_llama):
     try:
         out = engine.submit(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True)).result(timeout=120)[0]
         assert out.finish_reason == "error" and "ended after 2 of its 8 steps, unasked" in out.error
+    finally:
+        engine.close()
+
+
+def test_a_stream_that_breaks_after_its_last_part_fails_no_wave(tiny_llama):
+    """A link whose stream raises StationDown once every part came (a station stopped before its call's end): the
+    wave landed with its last part, so its tokens stand and the engine serves on, the same tokens as one step a
+    call (a failure report on a landed wave once stopped the wave loop)."""
+
+    class BreaksAtEnd(_Parts):
+        def forward_steps(self, wave_id, entries, token_ids, steps, reply_steps):
+            yield from super().forward_steps(wave_id, entries, token_ids, steps, reply_steps)
+            raise StationDown("the stream broke after its last part")
+
+    prompts = [[1, 7 + i, 40, 9 * i + 3] for i in range(3)]
+    params = [SamplingParams(max_tokens=14 + i, ignore_eos=True) for i in range(3)]
+    want = [o.token_ids for o in _serve(tiny_llama, prompts, params)]
+    engine = Engine([BreaksAtEnd(Station(tiny_llama, WHOLE), [])], ModelConfig.from_dir(tiny_llama),
+                    SchedulerConfig(max_seqs=4, max_wave_tokens=64, decode_steps=4, reply_steps=2))
+    try:
+        for _ in range(2):  # and again, on the same loop
+            outs = [s.result(timeout=60)[0] for s in [engine.submit(p, sp) for p, sp in zip(prompts, params)]]
+            assert [o.token_ids for o in outs] == want
+            assert {o.finish_reason for o in outs} == {"length"}
+    finally:
+        engine.close()
+
+
+def test_a_failure_reported_for_a_landed_wave_is_ignored(tiny_llama):
+    """A pipeline reporting a failure for a wave whose samples it already delivered: the engine leaves it (nothing
+    of it is in flight to end or replay) and the requests after it are served."""
+    engine = Engine([LocalLink(Station(tiny_llama, WHOLE))], ModelConfig.from_dir(tiny_llama),
+                    SchedulerConfig(max_seqs=4, max_wave_tokens=64))
+    landed = []
+    submit = engine.pipeline.submit
+    engine.pipeline.submit = lambda plan: (landed.append(plan), submit(plan))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    try:
+        first = engine.submit(PROMPT, params).result(timeout=60)[0]
+        assert engine.quiesce(30) and landed
+        engine._on_wave_done(landed[0], None, StationDown("late report"))
+        again = engine.submit(PROMPT, params).result(timeout=60)[0]
+        assert again.token_ids == first.token_ids and again.finish_reason == "length"
+        assert engine.stats().waves_in_flight == 0
+    finally:
+        engine.close()
+
+
+def test_a_fault_of_the_wave_loop_ends_every_request_with_its_error(tiny_llama):
+    """The wave loop itself fails (here the scheduler's commit raises): the live requests end with an error naming
+    it instead of waiting for ever, and new ones are refused (503) rather than queued on a loop that is gone."""
+    from orchestrator.engine import AdmissionError
+
+    engine = Engine([LocalLink(Station(tiny_llama, WHOLE))], ModelConfig.from_dir(tiny_llama),
+                    SchedulerConfig(max_seqs=4, max_wave_tokens=64))
+
+    def broken_commit(*args, **kw):
+        raise RuntimeError("a planted fault")
+
+    engine.scheduler.commit = broken_commit
+    try:
+        streams = [engine.submit(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True)) for _ in range(2)]
+        outs = [s.result(timeout=60)[0] for s in streams]
+        assert all(o.finish_reason == "error" and "wave loop failed: RuntimeError: a planted fault" in o.error
+                   for o in outs), outs
+        with pytest.raises(AdmissionError) as refused:
+            engine.submit(PROMPT, SamplingParams(max_tokens=6))
+        assert refused.value.status == 503
     finally:
         engine.close()
 
