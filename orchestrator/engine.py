@@ -287,14 +287,7 @@ class Engine(RouteSwitching, RouteRecovery):
         now = time.monotonic()
         sent = self._leave_flight(plan) if result.landed_steps else None
         if sent is not None:
-            ran = result.landed_steps  # fewer than planned where the wave was ended early
-            if len(plan.token_ids) == len(plan.entries):  # the pace a catch-up must keep: one-step decode-only waves
-                if ran > 1:  # (as the old route runs during a catch-up) since the route last ran several steps a call
-                    self._wave_seconds.clear()
-                else:
-                    self._wave_seconds.append(now - sent)
-            if self._catchup is not None:  # per step: a several-step wave sent before the catch-up began is no slowdown
-                self._catchup.old_wave((now - sent) / ran, ran)
+            self._pace_wave(plan, now - sent, result.landed_steps)
         if self.on_wave is not None and sent is not None:
             rows = len(plan.token_ids)
             self.on_wave(rows, rows / self.config.max_wave_tokens, now - sent)

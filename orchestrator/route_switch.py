@@ -241,6 +241,19 @@ class RouteSwitching:
             self._catchup_waves.add(plan.wave_id)
             mover.submit(plan)
 
+    def _pace_wave(self, plan: WavePlan, seconds: float, ran: int) -> None:
+        """A wave of the route landed after `seconds`, having run `ran` steps (fewer than planned where it was ended
+        early): keep the pace a catch-up must keep, the one-step decode-only waves (as the old route runs during a
+        catch-up) since the route last ran several steps a call, and tell a catch-up under way its time per step (a
+        several-step wave sent before the catch-up began is no slowdown)."""
+        if len(plan.token_ids) == len(plan.entries):
+            if ran > 1:
+                self._wave_seconds.clear()
+            else:
+                self._wave_seconds.append(seconds)
+        if self._catchup is not None:
+            self._catchup.old_wave(seconds / ran, ran)
+
     def _catchup_wave_done(self, plan: WavePlan, error: BaseException | None) -> None:
         """A catch-up wave came back (or failed: the catch-up is abandoned, the old route serves on)."""
         self._catchup_waves.discard(plan.wave_id)
