@@ -124,6 +124,7 @@ class Engine(RouteSwitching, RouteRecovery):
                 return False
             self._release(self.scheduler.cancel(request_id))
             self.requests.cancel(request_id)
+            self._end_streams_of_ended()
             self._lock.notify_all()
         self._inbox.put(_WAKE)
         return True
@@ -253,10 +254,20 @@ class Engine(RouteSwitching, RouteRecovery):
                 self._streamed[plan.wave_id] = plan
         if self._streamed and (self.scheduler.admissible() or self.route.paused or self.route.closed
                                or self._catchup is not None):
-            for plan in self._streamed.values():  # a request waits for a lane, the route is to change or close:
-                self.pipeline.end_steps(plan)  # these waves land within a step and are planned again
-            self.waves_ended_early += len(self._streamed)
-            self._streamed.clear()
+            self._end_streamed(list(self._streamed.values()))  # a request waits for a lane, the route is to change
+
+    def _end_streamed(self, plans: list[WavePlan]) -> None:
+        """End these streamed waves early: each lands within a step and its live sequences are planned again."""
+        for plan in plans:
+            self.pipeline.end_steps(plan)
+            del self._streamed[plan.wave_id]
+        self.waves_ended_early += len(plans)
+
+    def _end_streams_of_ended(self) -> None:
+        """A streamed wave holding a sequence that ended before the wave's last step (a stop, a cancel) ends early,
+        so that the stations stop computing rows nobody reads."""
+        self._end_streamed([p for p in self._streamed.values()
+                            if not all(self.requests.owns(e.seq_id) for e in p.entries)])
 
     def _leave_flight(self, plan: WavePlan) -> float | None:
         """A wave landed or failed: one wave fewer in flight; returns when it was sent."""
@@ -294,6 +305,7 @@ class Engine(RouteSwitching, RouteRecovery):
         self._rates.append((now, *self.scheduler.token_counts()))
         while self._rates and now - self._rates[0][0] > self._rate_window:
             self._rates.popleft()
+        ended = False
         for ev in result.events:
             self.switch_pauses.token(ev.seq_id, now)
             if self._catchup is not None:
@@ -302,6 +314,9 @@ class Engine(RouteSwitching, RouteRecovery):
                 if ev.finish_reason is None:
                     self._release(self.scheduler.finish(ev.seq_id, reason))
                 self._forget(ev.seq_id)
+                ended = True
+        if ended and self._streamed:
+            self._end_streams_of_ended()
 
     def _end(self, seq_id: int, reason: str, error: str | None = None) -> None:
         if not self.requests.owns(seq_id):

@@ -5,6 +5,7 @@ with the same checks as Forward, and keeps serving."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -266,6 +267,61 @@ def test_a_request_that_arrives_ends_the_streamed_calls_within_a_part(tiny_llama
         engine.close()
     # the first streamed call: parts of 2 until the newcomer ended it (a part or two after it came), not 16 of them
     assert parts[:2] == [2, 2] and sum(parts) < 40 and len(parts) > 3, parts
+
+
+class _Calls(LocalLink):
+    """A LocalLink that notes each streamed call's entries and the steps of each of its parts, each part taking 20
+    ms more (a station slower than the engine's turn, as a real one is)."""
+
+    def __init__(self, station):
+        super().__init__(station)
+        self.calls: list[tuple[int, list[int]]] = []
+
+    def forward_steps(self, wave_id, entries, token_ids, steps, reply_steps):
+        parts: list[int] = []
+        self.calls.append((len(entries), parts))
+        for out in super().forward_steps(wave_id, entries, token_ids, steps, reply_steps):
+            parts.append(len(out.samples) // len(entries))
+            time.sleep(0.02)
+            yield out
+
+
+@pytest.mark.parametrize("how", ["stop", "cancel"])
+def test_a_sequence_that_ends_inside_a_streamed_call_ends_the_call(tiny_llama, how):
+    """Two sequences in one 32-step call in parts of 2; one ends after its third token (a stop token, or its
+    request is cancelled): the call ends within a part or two instead of computing the ended row to step 32, the
+    other sequence goes on in a new call with the tokens it gets alone, and the first stops where it should."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    other_prompt = [1, 90, 91, 92]
+    want = generate_one(Station(tiny_llama, WHOLE), PROMPT, params)[0]
+    other = generate_one(Station(tiny_llama, WHOLE), other_prompt, params)[0]
+    stop_at = next(i for i in range(2, len(other)) if other[i] not in other[:i])  # a token new to the sequence
+    link = _Calls(Station(tiny_llama, WHOLE))
+    engine = Engine([link], ModelConfig.from_dir(tiny_llama),
+                    SchedulerConfig(max_seqs=4, max_wave_tokens=64, decode_steps=32, reply_steps=2))
+    try:
+        if how == "stop":
+            ending = engine.submit(other_prompt, replace(params, stop_token_ids=(other[stop_at],)))
+        else:
+            ending = engine.submit(other_prompt, params)
+        first = engine.submit(PROMPT, params)
+        if how == "cancel":
+            deadline = time.monotonic() + 60
+            while len(ending.outputs[0].token_ids) < 3 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            engine.cancel(ending.request_id)
+        assert first.result(timeout=120)[0].token_ids == want
+        out = ending.result(timeout=120)[0]
+        if how == "stop":
+            assert (out.token_ids, out.finish_reason) == (other[:stop_at + 1], "stop")
+        else:
+            assert out.finish_reason == "cancelled" and out.token_ids == other[:len(out.token_ids)]
+        assert engine.quiesce(30) and engine.stats().kv_bytes_used == 0
+        assert engine.stats().waves_ended_early >= 1
+    finally:
+        engine.close()
+    shared = [parts for n, parts in link.calls if n == 2]  # the streamed calls holding both sequences
+    assert shared and sum(shared[0]) <= 12, link.calls
 
 
 def test_end_steps_ends_a_forward_steps_call_after_its_step_under_way(tiny_llama, steps_server):
