@@ -36,6 +36,7 @@ from orchestrator.scheduler import AdmissionError, Scheduler, WavePlan
 from orchestrator.switch_pause import SwitchPauses
 from orchestrator.request_table import RequestTable
 from orchestrator.stream import CompletionOutput, RequestStream, TextTracker
+from orchestrator.streamed_steps import StreamedWaves
 
 __all__ = ["AdmissionError", "CatchUpFailed", "Engine", "EngineStats"]
 log = logging.getLogger(__name__)
@@ -78,8 +79,7 @@ class Engine(RouteSwitching, RouteRecovery):
         self._catchup_copier = None  # its KVCopier (None: catch-up waves recompute the KV)
         self._catchup_waves: set[int] = set()  # wave ids of catch-up waves in flight (their replies skip the scheduler)
         self._sent: dict[int, float] = {}  # wave id -> when it entered the pipeline
-        self._streamed: dict[int, WavePlan] = {}  # streamed several-step waves in flight, not asked to end early
-        self.waves_ended_early = 0  # streamed waves asked to end before their last step
+        self._streamed = StreamedWaves()  # streamed several-step waves in flight, not asked to end early
         self._wave_seconds: deque = deque(maxlen=16)  # one-step decode-only waves since the last several-step one
         self._thread = threading.Thread(target=self._run, name="wave-loop", daemon=True)
         self._thread.start()
@@ -124,7 +124,7 @@ class Engine(RouteSwitching, RouteRecovery):
                 return False
             self._release(self.scheduler.cancel(request_id))
             self.requests.cancel(request_id)
-            self._end_streams_of_ended()
+            self._streamed.end(self.pipeline, self.requests.owns)  # the streamed calls computing its rows end
             self._lock.notify_all()
         self._inbox.put(_WAKE)
         return True
@@ -145,7 +145,7 @@ class Engine(RouteSwitching, RouteRecovery):
             switches, pauses = self.switch_pauses.switches, tuple(self.switch_pauses.pauses)
             catchup = self._catchup.progress(self.scheduler.running(), now) if self._catchup is not None else None
             catchup_tokens, replayed = self.catchup_tokens, self.replayed_sequences
-            ended_early = self.waves_ended_early
+            ended_early = self._streamed.ended_early
         span = max(now - old[0], 1e-9)
         kv = [link.kv() for link in links]
         return EngineStats(
@@ -251,28 +251,15 @@ class Engine(RouteSwitching, RouteRecovery):
                 self.requests.scheduled(seq_id, cached, now)
             self.pipeline.submit(plan)
             if 0 < plan.reply_steps < plan.steps:
-                self._streamed[plan.wave_id] = plan
+                self._streamed.add(plan)
         if self._streamed and (self.scheduler.admissible() or self.route.paused or self.route.closed
                                or self._catchup is not None):
-            self._end_streamed(list(self._streamed.values()))  # a request waits for a lane, the route is to change
-
-    def _end_streamed(self, plans: list[WavePlan]) -> None:
-        """End these streamed waves early: each lands within a step and its live sequences are planned again."""
-        for plan in plans:
-            self.pipeline.end_steps(plan)
-            del self._streamed[plan.wave_id]
-        self.waves_ended_early += len(plans)
-
-    def _end_streams_of_ended(self) -> None:
-        """A streamed wave holding a sequence that ended before the wave's last step (a stop, a cancel) ends early,
-        so that the stations stop computing rows nobody reads."""
-        self._end_streamed([p for p in self._streamed.values()
-                            if not all(self.requests.owns(e.seq_id) for e in p.entries)])
+            self._streamed.end(self.pipeline)  # a request waits for a lane, the route is to change or close
 
     def _leave_flight(self, plan: WavePlan) -> float | None:
         """A wave landed or failed: one wave fewer in flight; returns when it was sent."""
         self._in_flight -= 1
-        self._streamed.pop(plan.wave_id, None)
+        self._streamed.discard(plan.wave_id)
         return self._sent.pop(plan.wave_id, None)
 
     def _finish_wave(self, plan: WavePlan, samples, error: BaseException | None, first_step: int = 0) -> None:
@@ -315,8 +302,8 @@ class Engine(RouteSwitching, RouteRecovery):
                     self._release(self.scheduler.finish(ev.seq_id, reason))
                 self._forget(ev.seq_id)
                 ended = True
-        if ended and self._streamed:
-            self._end_streams_of_ended()
+        if ended and self._streamed:  # a sequence ended inside a streamed call: the stations stop computing its row
+            self._streamed.end(self.pipeline, self.requests.owns)
 
     def _end(self, seq_id: int, reason: str, error: str | None = None) -> None:
         if not self.requests.owns(seq_id):

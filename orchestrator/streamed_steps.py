@@ -41,6 +41,35 @@ class EarlyEnds:
         return asked
 
 
+class StreamedWaves:
+    """The engine's streamed several-step waves in flight that were not asked to end early, and how many were."""
+
+    def __init__(self) -> None:
+        self._plans: dict[int, WavePlan] = {}
+        self.ended_early = 0  # streamed waves asked to end before their last step
+
+    def __bool__(self) -> bool:
+        return bool(self._plans)
+
+    def add(self, plan: WavePlan) -> None:
+        """A streamed wave went out."""
+        self._plans[plan.wave_id] = plan
+
+    def discard(self, wave_id: int) -> None:
+        """The wave landed or failed (its call is over)."""
+        self._plans.pop(wave_id, None)
+
+    def end(self, pipeline, live: Callable[[int], bool] | None = None) -> None:
+        """Ask `pipeline` to end early every streamed wave (`live` given: those holding a sequence for which it is
+        False, one that ended before the wave's last step); each lands within a step, its live sequences are planned
+        again."""
+        plans = [p for p in self._plans.values() if live is None or not all(live(e.seq_id) for e in p.entries)]
+        for plan in plans:
+            pipeline.end_steps(plan)
+            del self._plans[plan.wave_id]
+        self.ended_early += len(plans)
+
+
 def deliver_parts(plan: WavePlan, parts: Iterable[list[SampledToken | None]], on_done: Callable[..., None],
                   ends: EarlyEnds, station: str) -> None:
     """Hand each part's samples of the streamed wave `plan` to `on_done(plan, samples, None, first_step)` as it
