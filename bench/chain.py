@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 
 import torch
-from metered_link import MeteredLink  # bench/ is on sys.path when a bench script runs
+from call_shape import add_call_shape_args  # bench/ is on sys.path when a bench script runs
+from metered_link import MeteredLink
 
 from mesh.control.cli import resolve_model
 from mesh.core.hostinfo import cpu_seconds_by_role, describe_machine
@@ -66,12 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hidden rows station to station (the YAML default) or through the orchestrator")
     p.add_argument("--extra-waves", type=int, default=0,
                    help="waves in flight beyond one per station (SchedulerConfig.extra_waves), every config")
-    p.add_argument("--decode-steps", type=int, default=SchedulerConfig().decode_steps,
-                   help="scheduler.decode_steps: decode steps per wave call once only decodes run (0: by route, "
-                        "16 on a direct chain, 4 on one station)")
-    p.add_argument("--reply-steps", type=int, default=SchedulerConfig().reply_steps,
-                   help="scheduler.reply_steps: decode steps per streamed reply of such a call (0: one per call; "
-                        "by route with --decode-steps 0: every 4 on a chain)")
+    add_call_shape_args(p)
     p.add_argument("--repeats", type=int, help="repeats of every point, median (default 3)")
     p.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
     p.add_argument("--station-cpus", type=float, help="num_cpus of every station (default: cores // stations)")

@@ -39,11 +39,12 @@ import os
 import sys
 import tempfile
 
+from call_shape import add_call_shape_args
 from scale_figures import even_split, merge_rounds, scaling_verdict, sim_limit
 from scale_points import TOKEN, log, relay_flags, run_point, start_stations, stop_stations  # noqa: F401 (TOKEN: tests)
 from sim_station import SimModel
 
-from mesh.core.config import ModelConfig, SchedulerConfig
+from mesh.core.config import ModelConfig
 
 def sim_model_config(sim: SimModel) -> ModelConfig:
     """The orchestrator's view of the SIMULATED model (shape only; nothing loads it)."""
@@ -146,12 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=8192)
     p.add_argument("--num-layers", type=int, default=80)
     p.add_argument("--tokens", type=int, default=128, help="tokens per request (128: the steady state outweighs the pipeline's fill and drain)")
-    p.add_argument("--decode-steps", type=int, default=SchedulerConfig().decode_steps,
-                   help="scheduler.decode_steps: decode steps per wave call once only decodes run (0: by route, "
-                        "16 on a direct chain, 4 on one station)")
-    p.add_argument("--reply-steps", type=int, default=SchedulerConfig().reply_steps,
-                   help="scheduler.reply_steps: decode steps per streamed reply of such a call (0: one per call; "
-                        "by route with --decode-steps 0: every 4 on a chain)")
+    add_call_shape_args(p)
     p.add_argument("--real-stations", type=ints, default=[2, 3])
     p.add_argument("--real-k", type=ints, default=[16, 32])
     p.add_argument("--real-device", default="cpu", help="the real stations' device (cuda: every station on one GPU)")
