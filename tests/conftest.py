@@ -6,7 +6,6 @@ import contextlib
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from mesh.core.model.synthetic import init_model
+from ports import free_port as free_port_now
 
 
 @pytest.fixture(scope="session")
@@ -56,16 +56,10 @@ def local_ray():
     ray.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def free_port():
     """A function returning a TCP port free on loopback right now (for servers a test starts)."""
-    return _free_port
+    return free_port_now
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +67,7 @@ def mesh_up(tmp_path_factory, tiny_llama):
     """`mesh up` of a 2-station tiny llama with an API key and a targets file, for one test module; stopped by
     SIGTERM. Yields url, key, targets (the file_sd path), client (an httpx.Client sending the key) and pid."""
     tmp = tmp_path_factory.mktemp("mesh-up")
-    port, key = _free_port(), "page-key"
+    port, key = free_port_now(), "page-key"
     targets = tmp / "prom" / "targets.json"
     cfg = tmp / "two.yaml"
     cfg.write_text(f"model: {{path: {tiny_llama}}}\nstations:\n  - {{layers: [0, 3]}}\n  - {{layers: [3, 6]}}\n"

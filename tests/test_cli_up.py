@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,12 +17,7 @@ from mesh.core.config import StationSpec
 from mesh.core.params import SamplingParams
 from station.generate import generate_one
 from station.step import Station
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports import free_port
 
 
 def _mesh(*args, env, timeout=120):
@@ -89,14 +83,14 @@ def test_yaml_mistakes_start_nothing(tmp_path, env, tiny_llama):
         path = tmp_path / name
         path.write_text(text)
         t0 = time.monotonic()
-        r = _mesh("up", str(path), "--port", str(_free_port()), env=env, timeout=60)
+        r = _mesh("up", str(path), "--port", str(free_port()), env=env, timeout=60)
         assert r.returncode == 2, (name, r.stderr)
         assert name in r.stderr and problem in r.stderr, (name, r.stderr)
         assert "loading" not in r.stderr and time.monotonic() - t0 < 30
 
 
 def test_mesh_up_serves_and_scales_mid_stream(tmp_path, env, tiny_llama):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cfg = tmp_path / "three.yaml"
     cfg.write_text(f"model: {{path: {tiny_llama}}}\nstations:\n  - {{layers: [0, 1]}}\n  - {{layers: [1, 4]}}\n"
@@ -151,7 +145,7 @@ def _wait_pinned(url: str, env, want: int) -> None:
 
 def _mesh_up(tmp_path, env, model_dir, extra_yaml: str) -> tuple[subprocess.Popen, str]:
     """`mesh up` on a one-model YAML (plus `extra_yaml`) in a subprocess, once healthy: (process, API URL)."""
-    port = _free_port()
+    port = free_port()
     cfg = tmp_path / "up.yaml"
     cfg.write_text(f"model: {{path: {model_dir}}}\napi: {{host: 127.0.0.1, port: {port}}}\n" + extra_yaml)
     proc = subprocess.Popen([sys.executable, "-m", "mesh.control.cli", "up", str(cfg)], env=env,

@@ -8,21 +8,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
+from ports import free_port
 
 QUESTION = "What is the capital of France?"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +24,7 @@ def server(tmp_path_factory):
     """`mesh up --port P` with an empty WAVEMESH_CACHE; yields its URL, SIGINT at the end."""
     root = tmp_path_factory.mktemp("default-model")
     env = dict(os.environ, WAVEMESH_CACHE=str(root / "cache"), RAY_AUTH_MODE="disabled")
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     log = open(root / "up.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "mesh.control.cli", "up", "--port", url.rsplit(":", 1)[1]],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
