@@ -5,6 +5,7 @@ Shared by bench/soak.py (`mesh up`) and bench/vs_llamacpp.py (`mesh up` and llam
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,11 +17,39 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 
 
+RAY_WORKER_PORTS_END = 20000  # Ray's worker processes take ports up to 19999 by default
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A free loopback TCP port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port free now, for a server started after this call (a `mesh up`'s API, llama-server).
+
+    Not one found by binding port 0: that comes from the kernel's ephemeral range, from which every server a `mesh
+    up` starts before its API (Ray's, the stations' gRPC servers and relay links) gets its own port, so one of them
+    could take it first. These come from between Ray's worker ports and that range."""
+    low, high = RAY_WORKER_PORTS_END, _ephemeral_low()
+    if high - low < 1000:  # an unusual ephemeral range: any port the kernel gives out
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    pick = random.Random()
+    for _ in range(200):
+        port = pick.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken: try another
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port on loopback in [{low}, {high})")
 
 
 def start_server(cmd: list[str], url: str, log: Path, name: str, timeout_s: float = 600.0) -> subprocess.Popen:
