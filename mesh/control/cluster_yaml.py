@@ -12,7 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from mesh.core.config import ApiConfig, ConfigError, SchedulerConfig, StationSpec, _require, is_int
+from mesh.core.config import ApiConfig, SchedulerConfig, StationSpec
+from mesh.core.config_checks import ConfigError, is_int, require as _require
 from mesh.core.model.gguf_convert import SMOLLM2
 from mesh.control.layer_plan import BALANCES
 from mesh.control.mesh_config import ClusterConfig, MeshConfig, ModelSource, RayConfig, is_num

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 
-from mesh.core.config import DTYPE_BYTES, SUPPORTED_DTYPES, ModelConfig, _require, is_int
+from mesh.core.config import DTYPE_BYTES, SUPPORTED_DTYPES, ModelConfig
+from mesh.core.config_checks import is_int, require as _require
 
 
 def _layer_params(cfg: ModelConfig) -> int:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mesh.core.config import (SUPPORTED_ARCHS, SUPPORTED_DTYPES, ApiConfig, ConfigError, ModelConfig,
-                         SchedulerConfig, StationSpec, _require, is_int)
+from mesh.core.config import SUPPORTED_ARCHS, SUPPORTED_DTYPES, ApiConfig, ModelConfig, SchedulerConfig, StationSpec
+from mesh.core.config_checks import ConfigError, is_int, require as _require
 from mesh.core.model.gguf_convert import SMOLLM2, smollm2_gguf
 from mesh.core.model.gguf_file import GGUFCheckpoint, GGUFError, is_gguf
 from mesh.core.model.gguf_tokenizer import check_tokenizer
