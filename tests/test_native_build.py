@@ -36,16 +36,21 @@ def test_an_edited_header_names_another_library(tmp_path):
 
 
 def test_the_cpu_vendor_chooses_the_request_policy_and_names_its_library(monkeypatch):
-    """Intel builds request streamed weights into L1 (WAVEMESH_PREFETCH_T0), others keep the non-temporal policy;
-    the two builds are different libraries, so a cache shared across vendors never loads the other's."""
-    names = {}
-    for vendor in ("GenuineIntel", "AuthenticAMD"):
+    """Intel builds request streamed weights into L1 (WAVEMESH_PREFETCH_T0), AMD family-25 builds spread the next
+    block's requests into L2 (WAVEMESH_SPREAD_L2), others keep the non-temporal policy; each build is a different
+    library, so a cache shared across machines never loads another's."""
+    names, flags = {}, {}
+    for vendor, family in (("GenuineIntel", "6"), ("AuthenticAMD", "25"), ("AuthenticAMD", "26")):
         monkeypatch.setattr(native, "_cpu_vendor", lambda v=vendor: v)
-        names[vendor] = library_name(SOURCES + HEADERS)
-        assert ("-DWAVEMESH_PREFETCH_T0" in native.build_flags()) == (vendor == "GenuineIntel")
-    assert names["GenuineIntel"] != names["AuthenticAMD"]
+        monkeypatch.setattr(native, "_cpu_family", lambda f=family: f)
+        names[vendor, family] = library_name(SOURCES + HEADERS)
+        flags[vendor, family] = [f for f in native.build_flags() if f.startswith("-DWAVEMESH")]
+    assert flags == {("GenuineIntel", "6"): ["-DWAVEMESH_PREFETCH_T0"],
+                     ("AuthenticAMD", "25"): ["-DWAVEMESH_SPREAD_L2"], ("AuthenticAMD", "26"): []}
+    assert len(set(names.values())) == 3
     header = next(h for h in HEADERS if h.name == "register_tile.h").read_text()
-    assert "#if defined(__AVX512F__) && defined(WAVEMESH_PREFETCH_T0)" in header  # the flag is read where it matters
+    for flag in ("WAVEMESH_PREFETCH_T0", "WAVEMESH_SPREAD_L2"):  # each flag is read where it matters
+        assert f"defined(__AVX512F__) && defined({flag})" in header
 
 
 @pytest.mark.skipif(resolve_linear_backend("auto", torch.device("cpu"), torch.float32) != "packed",

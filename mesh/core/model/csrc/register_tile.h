@@ -72,18 +72,33 @@ INLINE vec in_register(vec v) {
 #define MID_ROWS_AHEAD 0
 #define NEXT_BLOCK_HINT _MM_HINT_T1
 #define SPREAD_ROWS 9
+#define SPREAD_HINT _MM_HINT_T1
+#elif defined(__AVX512F__) && defined(WAVEMESH_SPREAD_L2)
+/* Zen 4 (AMD family 25; native.py defines WAVEMESH_SPREAD_L2 there): as the Zen 5 build up to 6 rows, and from 7 rows
+ * the spread requests, into L2 rather than non-temporal: at one thread, with a second core streaming weights as a
+ * pipeline's other station does, 8 rows take 0.93x the time, 16 rows 0.94-0.96x, 32 rows 0.93-0.95x, 64 rows 0.95x;
+ * 4 rows into L2 would take 1.07-1.12x, so they keep the non-temporal policy (session 39,
+ * bench/out/linear_stream_s39_zen4.txt). */
+#define FEW_ROWS_AHEAD (-16)
+#define MID_ROWS_PREFETCH 0
+#define MID_ROWS_AHEAD 1
+#define NEXT_BLOCK_HINT _MM_HINT_NTA
+#define SPREAD_ROWS 7
+#define SPREAD_HINT _MM_HINT_T1
 #elif defined(__AVX512F__)
 #define FEW_ROWS_AHEAD (-16)
 #define MID_ROWS_PREFETCH 0
 #define MID_ROWS_AHEAD 1
 #define NEXT_BLOCK_HINT _MM_HINT_NTA
 #define SPREAD_ROWS 0
+#define SPREAD_HINT NEXT_BLOCK_HINT
 #else
 #define FEW_ROWS_AHEAD 0
 #define MID_ROWS_PREFETCH 0
 #define MID_ROWS_AHEAD 1
 #define NEXT_BLOCK_HINT _MM_HINT_T1
 #define SPREAD_ROWS 0
+#define SPREAD_HINT NEXT_BLOCK_HINT
 #endif
 
 /* tb (constant, <= TILE_T) rows of x (x[i * ldx + k]) over kb weights w [kb][64], continuing the sums in acc [tb][64],
@@ -91,6 +106,7 @@ INLINE vec in_register(vec v) {
  * use: with prefetch > 0 (constant), each pass's columns that many k ahead (< 0: -prefetch k ahead, as non-temporal);
  * with `ahead` (constant), the next kb x 64 weights after w's, line by line in memory order, spread evenly over this
  * call's passes (its k rows with k % parts == part: this tile is number `part` of `parts` sharing the requests), with
+ * SPREAD_HINT where `ahead` is 2 (the spread requests), else
  * NEXT_BLOCK_HINT (5-12% faster at 4-40 rows with AVX-512, 9-29% with AVX2, than each pass's
  * columns one block ahead, bench/out/linear_stream.txt; non-temporal rather than into L2 on the AVX-512 VM: a 4-row
  * decode wave 10% faster in a station, a 16-row one 3%). */
@@ -121,8 +137,10 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
                 for (int j = 0; j < cv * LANES; j += 16)
                     _mm_prefetch((const char *)(wc + (k - prefetch) * TILE_N + j), _MM_HINT_NTA);
             if (ahead && due-- == 0) {
-                for (int l = 0; l < lines; l++)
-                    _mm_prefetch((const char *)(next + (k * lines + l) * 16), NEXT_BLOCK_HINT);
+                for (int l = 0; l < lines; l++) {
+                    if (ahead == 2) _mm_prefetch((const char *)(next + (k * lines + l) * 16), SPREAD_HINT);
+                    else _mm_prefetch((const char *)(next + (k * lines + l) * 16), NEXT_BLOCK_HINT);
+                }
                 due = parts - 1;
             }
             for (int i = 0; i < tb; i++) {
@@ -149,15 +167,16 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
 INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int prefetch,
                             const int ahead, const int spread, float *acc) {
     const int parts = spread ? (int)(T / TILE_T) + (T % TILE_T >= 3) : 1; /* the row tiles that request */
+    const int asks = spread ? 2 : ahead; /* 2: the spread requests, with SPREAD_HINT */
     int64_t t = 0;
     for (; t + TILE_T <= T; t += TILE_T)
-        register_tile(x + t * ldx, ldx, TILE_T, CVECS, w, kb, prefetch, ahead, spread ? (int)(t / TILE_T) : 0, parts,
+        register_tile(x + t * ldx, ldx, TILE_T, CVECS, w, kb, prefetch, asks, spread ? (int)(t / TILE_T) : 0, parts,
                       acc + t * TILE_N);
     const int last = spread ? parts - 1 : 0;
     switch (T - t) {
-        case 5: register_tile(x + t * ldx, ldx, 5, CVECS, w, kb, prefetch, ahead, last, parts, acc + t * TILE_N); break;
-        case 4: register_tile(x + t * ldx, ldx, 4, CVECS, w, kb, prefetch, ahead, last, parts, acc + t * TILE_N); break;
-        case 3: register_tile(x + t * ldx, ldx, 3, CVECS, w, kb, prefetch, ahead, last, parts, acc + t * TILE_N); break;
+        case 5: register_tile(x + t * ldx, ldx, 5, CVECS, w, kb, prefetch, asks, last, parts, acc + t * TILE_N); break;
+        case 4: register_tile(x + t * ldx, ldx, 4, CVECS, w, kb, prefetch, asks, last, parts, acc + t * TILE_N); break;
+        case 3: register_tile(x + t * ldx, ldx, 3, CVECS, w, kb, prefetch, asks, last, parts, acc + t * TILE_N); break;
         case 2: register_tile(x + t * ldx, ldx, 2, VECS, w, kb, prefetch, 0, 0, 1, acc + t * TILE_N); break;
         case 1: register_tile(x + t * ldx, ldx, 1, VECS, w, kb, prefetch, 0, 0, 1, acc + t * TILE_N); break;
         default: break;
