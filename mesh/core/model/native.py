@@ -57,8 +57,8 @@ def _cpu_family() -> str:
 def build_flags() -> tuple[str, ...]:
     """CFLAGS and what this CPU chooses in the sources (csrc/register_tile.h): on Intel, streamed weights are
     requested into L1, never as non-temporal (WAVEMESH_PREFETCH_T0); on AMD family 25, waves of 7 rows or more
-    request the next weights into L2, their requests spread over the row tiles (WAVEMESH_SPREAD_L2; an AVX2-only
-    part of that family, Zen 3, never reads it)."""
+    request the next weights into L2, their requests spread over the row tiles, and 1-6 rows request none
+    (WAVEMESH_SPREAD_L2; an AVX2-only part of that family, Zen 3, never reads it)."""
     vendor = _cpu_vendor()
     if vendor == "GenuineIntel":
         return CFLAGS + ("-DWAVEMESH_PREFETCH_T0",)

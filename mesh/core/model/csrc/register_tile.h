@@ -74,14 +74,15 @@ INLINE vec in_register(vec v) {
 #define SPREAD_ROWS 9
 #define SPREAD_HINT _MM_HINT_T1
 #elif defined(__AVX512F__) && defined(WAVEMESH_SPREAD_L2)
-/* Zen 4 (AMD family 25; native.py defines WAVEMESH_SPREAD_L2 there): as the Zen 5 build up to 6 rows, and from 7 rows
- * the spread requests, into L2 rather than non-temporal: at one thread, with a second core streaming weights as a
- * pipeline's other station does, 8 rows take 0.93x the time, 16 rows 0.94-0.96x, 32 rows 0.93-0.95x, 64 rows 0.95x;
- * 4 rows into L2 would take 1.07-1.12x, so they keep the non-temporal policy (session 39,
- * bench/out/linear_stream_s39_zen4.txt). */
-#define FEW_ROWS_AHEAD (-16)
+/* Zen 4 (AMD family 25; native.py defines WAVEMESH_SPREAD_L2 there), session 39, bench/out/linear_stream_s39_zen4.txt:
+ * from 7 rows the spread requests, into L2 rather than non-temporal: at one thread, with a second core streaming
+ * weights as a pipeline's other station does, 8 rows take 0.80-0.93x the time of the Zen 5 policy, 16 rows
+ * 0.94-0.96x, 32 rows 0.93-0.96x, 64 rows 0.94-0.95x (all of it into L2, each tile requesting: 4 rows 1.07-1.12x).
+ * 1-6 rows request nothing: the hardware prefetcher alone, 2-6 rows 0.88-0.93x the time of the non-temporal
+ * requests, 1 row 0.98-1.01x; a whole station's decode step at batch 2-6 0.87-0.92x (SmolLM2 batch 1 0.96x). */
+#define FEW_ROWS_AHEAD 0
 #define MID_ROWS_PREFETCH 0
-#define MID_ROWS_AHEAD 1
+#define MID_ROWS_AHEAD 0
 #define NEXT_BLOCK_HINT _MM_HINT_NTA
 #define SPREAD_ROWS 7
 #define SPREAD_HINT _MM_HINT_T1
