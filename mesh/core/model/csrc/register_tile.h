@@ -83,7 +83,7 @@ INLINE vec in_register(vec v) {
 #define FEW_ROWS_AHEAD 0
 #define MID_ROWS_PREFETCH 0
 #define MID_ROWS_AHEAD 0
-#define NEXT_BLOCK_HINT _MM_HINT_NTA
+#define NEXT_BLOCK_HINT _MM_HINT_NTA /* never issued here (no tile asks for the next block but the spread ones) */
 #define SPREAD_ROWS 7
 #define SPREAD_HINT _MM_HINT_T1
 #elif defined(__AVX512F__)
