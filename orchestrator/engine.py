@@ -33,6 +33,7 @@ from orchestrator.route_recovery import RouteRecovery
 from orchestrator.route_switch import CatchUpFailed, RouteSwitching
 from orchestrator.scheduler_types import EngineStats
 from orchestrator.scheduler import AdmissionError, Scheduler, WavePlan
+from orchestrator.scheduler_counts import TokenRates
 from orchestrator.switch_pause import SwitchPauses
 from orchestrator.request_table import RequestTable
 from orchestrator.stream import CompletionOutput, RequestStream, TextTracker
@@ -64,8 +65,7 @@ class Engine(RouteSwitching, RouteRecovery):
         self._inbox: queue.Queue = queue.Queue()
         self.requests = RequestTable()  # the live requests' streams and their sequences' owners
         self._in_flight = 0
-        self._rates: deque = deque()
-        self._rate_window = rate_window_s
+        self._rates = TokenRates(rate_window_s)  # prefill and decode tokens per second, over the window
         self.on_wave = on_wave
         self._recover, self._recover_retry_s = recover, recover_retry_s
         self.recovery_seconds: list[float] = []  # how long each recovery took
@@ -140,21 +140,19 @@ class Engine(RouteSwitching, RouteRecovery):
             s = self.scheduler.stats()
             in_flight = self._in_flight
             now = time.monotonic()
-            old = self._rates[0] if self._rates else (now, s.prefill_tokens, s.decode_tokens)
+            prefill_rate, decode_rate = self._rates.rates(now, s.prefill_tokens, s.decode_tokens)
             links, route_error, recovery = self.pipeline.links, self.route.error, tuple(self.recovery_seconds)
             switches, pauses = self.switch_pauses.switches, tuple(self.switch_pauses.pauses)
             catchup = self._catchup.progress(self.scheduler.running(), now) if self._catchup is not None else None
             catchup_tokens, replayed = self.catchup_tokens, self.replayed_sequences
             ended_early = self._streamed.ended_early
-        span = max(now - old[0], 1e-9)
         kv = [link.kv() for link in links]
         return EngineStats(
             running=s.running, waiting=s.waiting, waves_in_flight=in_flight, waves=s.waves,
             wave_occupancy_last=s.last_wave_tokens / self.config.max_wave_tokens,
             wave_occupancy_mean=s.mean_wave_occupancy, wave_occupancy_max=s.max_wave_occupancy,
             prefill_tokens=s.prefill_tokens, decode_tokens=s.decode_tokens,
-            prefill_tokens_per_s=(s.prefill_tokens - old[1]) / span if self._rates else 0.0,
-            decode_tokens_per_s=(s.decode_tokens - old[2]) / span if self._rates else 0.0,
+            prefill_tokens_per_s=prefill_rate, decode_tokens_per_s=decode_rate,
             kv_bytes_used=sum(k.bytes_used for k in kv), kv_bytes_total=sum(k.bytes_total for k in kv),
             preemptions=s.preemptions, refusals=dict(s.refusals), finished=dict(s.finished),
             prefix_cache=s.prefix_cache, prefix_cache_queries=s.prefix_cache_queries,
@@ -289,9 +287,7 @@ class Engine(RouteSwitching, RouteRecovery):
         if self.on_wave is not None and sent is not None:
             rows = len(plan.token_ids)
             self.on_wave(rows, rows / self.config.max_wave_tokens, now - sent)
-        self._rates.append((now, *self.scheduler.token_counts()))
-        while self._rates and now - self._rates[0][0] > self._rate_window:
-            self._rates.popleft()
+        self._rates.mark(now, *self.scheduler.token_counts())
         ended = False
         for ev in result.events:
             self.switch_pauses.token(ev.seq_id, now)

@@ -5,6 +5,7 @@ Pure Python, no torch, like the scheduler itself.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -90,3 +91,28 @@ class SchedulerCounts:
             max_wave_entries=self.max_entries, prefix_cache=ledger.prefix_cache,
             prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits,
             kv_blocks_cached=ledger.cached)
+
+
+class TokenRates:
+    """Prefill and decode tokens per second over the last `window_s` seconds of committed waves (the engine's
+    EngineStats rates): the scheduler's running token counts marked at each commit, the oldest within the window
+    taken as the start."""
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._marks: deque[tuple[float, int, int]] = deque()  # (monotonic time, prefill tokens, decode tokens)
+
+    def mark(self, now: float, prefill_tokens: int, decode_tokens: int) -> None:
+        """Record the counts after a commit at `now`; forget marks older than the window."""
+        self._marks.append((now, prefill_tokens, decode_tokens))
+        while now - self._marks[0][0] > self._window_s:
+            self._marks.popleft()
+
+    def rates(self, now: float, prefill_tokens: int, decode_tokens: int) -> tuple[float, float]:
+        """(prefill, decode) tokens per second from the oldest mark kept to these counts at `now`; (0, 0) before
+        any commit."""
+        if not self._marks:
+            return 0.0, 0.0
+        start, prefill0, decode0 = self._marks[0]
+        span = max(now - start, 1e-9)
+        return (prefill_tokens - prefill0) / span, (decode_tokens - decode0) / span

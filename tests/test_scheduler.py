@@ -13,6 +13,7 @@ from mesh.core.config import SchedulerConfig
 from mesh.core.params import SamplingParams
 from mesh.core.wave import SampledToken
 from orchestrator.scheduler import AdmissionError, KVLimits, Scheduler, WavePlan
+from orchestrator.scheduler_counts import TokenRates
 
 VOCAB, EOS = 1000, 0
 REPO = Path(__file__).resolve().parents[1]
@@ -289,6 +290,19 @@ def test_refusals_and_stats():
     assert st.finished == {"length": 6} and st.decode_tokens == 6 * 3 and st.prefill_tokens == 12
     assert st.last_wave_tokens == 2 and st.max_wave_entries == 4
     assert 0 < st.mean_wave_occupancy <= st.max_wave_occupancy == 8 / 64
+
+
+def test_token_rates_over_the_window():
+    """The engine's rates: tokens since the oldest commit kept, per second; marks older than the window dropped."""
+    rates = TokenRates(window_s=10.0)
+    assert rates.rates(5.0, 100, 100) == (0.0, 0.0)  # no commit yet
+    rates.mark(0.0, 0, 0)
+    rates.mark(4.0, 40, 8)
+    assert rates.rates(4.0, 40, 8) == (10.0, 2.0)
+    rates.mark(12.0, 100, 40)  # the mark at 0 s is now 12 s old: the window starts at 4 s
+    assert rates.rates(12.0, 100, 40) == (60 / 8, 32 / 8)
+    rates.mark(30.0, 100, 40)  # only itself within the window
+    assert rates.rates(32.0, 120, 40) == (10.0, 0.0)
 
 
 def test_burst_up_to_lanes_plus_queue_is_admitted_and_the_excess_refused():
