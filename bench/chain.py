@@ -108,7 +108,8 @@ def jobs(k: int, prompt: int, vocab: int) -> list[list[int]]:
 
 def run_point(engine: Engine, links: list[MeteredLink], prompts: list[list[int]], tokens: int) -> dict:
     """Submit every prompt, one after another as fast as this thread can (the wave loop plans from the first, so a
-    run may open with a few small prompt waves); wall time first submit -> last result, and where the time went per wave."""
+    run may open with a few small prompt waves); wall time first submit -> last result, and where the time went
+    per wave."""
     engine.quiesce()
     waves0 = engine.stats().waves
     for link in links:
