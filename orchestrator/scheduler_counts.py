@@ -1,5 +1,6 @@
 """What the scheduler counts and what it refuses: the admission checks a request passes before it is queued, and
-the running tallies (waves, tokens, occupancy, refusals, finishes) its SchedulerStats are read from.
+the running tallies (waves, tokens, occupancy, refusals, finishes) its SchedulerStats are read from, and the
+engine's token rates over a window of those tallies (TokenRates).
 
 Pure Python, no torch, like the scheduler itself.
 """
