@@ -31,6 +31,23 @@ def test_bench_mesh_quick_runs(tiny_llama):
     assert figures["targets"]["grpc1_vs_inproc"]["got"] > 0 and figures["targets"]["pipe2_vs_grpc1"]["got"] > 0
 
 
+def test_core_quota_quick_runs(tiny_llama):
+    """`bench/core_quota.py` runs one station and two as separate chain.py processes and reports their ratio, the
+    tokens of both (identical) and the pair's busy fractions, ending with a JSON line."""
+    pytest.importorskip("ray")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "core_quota.py"), "--model", str(tiny_llama), "--quick"],
+                          check=False, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    (only,) = figures["rounds"]
+    assert only["one_tok_s"] > 0 and only["two_tok_s"] > 0
+    assert figures["median_ratio"] == pytest.approx(only["two_tok_s"] / only["one_tok_s"])
+    assert figures["tokens_identical"] and only["one_sha"] == only["two_sha"]
+    assert len(only["busy"]) == 2 and all(0 < b <= 1 for b in only["busy"])
+    assert figures["rounds_at_target"] == (figures["median_ratio"] >= figures["target"])
+
+
 def test_pipeline_ceiling_runs(tiny_llama):
     """`bench/pipeline_ceiling.py` on the tiny checkpoint ends with a JSON line of positive figures."""
     script = SCRIPT.parent / "pipeline_ceiling.py"

@@ -1,0 +1,100 @@
+"""Issue 13's core quota, alternated: two 1-core stations against one, round by round (a measurement, never serving).
+
+    python bench/core_quota.py [--rounds 5] [--concurrency 32] [--prompt 32] [--tokens 64] [--repeats 3]
+                               [--model DIR] [--quick]
+    mesh bench core_quota ...  (same arguments)
+
+Each round runs bench/chain.py twice, each in a process of its own (a configuration's stations hold their pinned
+cores until its Ray stops, so one station and two never share a command): `--configs 1` and `--configs 2`, both
+with `--station-cpus 1 --balance compute`, --concurrency greedy requests (max_seqs the same), the one-station run
+first in odd rounds and second in even ones, so both meet the machine's drift alike. Per round: both tok/s (chain.py's
+median over --repeats), their ratio and the outputs' sha256 prefix. Then the median ratio and how many rounds reached
+the target (1.6x), whether every run drew the same tokens, and for the pair's runs the orchestrator's CPU per wave
+and each station's busy fraction. Runs on this VM type spread +-7%, so a figure is a median of rounds, never one run.
+The last line printed is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+CHAIN = Path(__file__).resolve().parent / "chain.py"
+TARGET = 1.6  # issue 13: two 1-core stations reach at least 1.6x one
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (`--quick`: the tiny checkpoint, 4 requests of 8 tokens, one round of one repeat)."""
+    p = argparse.ArgumentParser(prog="mesh bench core_quota", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="checkpoint dir (default: the built-in `bench` preset; `tiny` with --quick)")
+    p.add_argument("--rounds", type=int, help="alternated rounds (default 5)")
+    p.add_argument("--concurrency", type=int, help="concurrent greedy requests, and max_seqs (default 32)")
+    p.add_argument("--prompt", type=int, help="prompt tokens per request (default 32)")
+    p.add_argument("--tokens", type=int, help="output tokens per request (default 64)")
+    p.add_argument("--repeats", type=int, help="chain.py's repeats per run, median (default 3)")
+    p.add_argument("--quick", action="store_true", help="a smoke test: tiny model, 4 x 8 tokens, 1 round, 1 repeat")
+    a = p.parse_args(argv)
+    for name, full, quick in (("rounds", 5, 1), ("concurrency", 32, 4), ("prompt", 32, 8), ("tokens", 64, 8),
+                              ("repeats", 3, 1)):
+        if getattr(a, name) is None:
+            setattr(a, name, quick if a.quick else full)
+        if getattr(a, name) < 1:
+            p.error(f"--{name}: must be >= 1, got {getattr(a, name)}")
+    return a
+
+
+def run_chain(args: argparse.Namespace, stations: int) -> dict:
+    """One chain.py run of `stations` 1-core stations: its figures at the one concurrency."""
+    cmd = [sys.executable, str(CHAIN), "--configs", str(stations), "--station-cpus", "1", "--balance", "compute",
+           "--concurrency", str(args.concurrency), "--max-seqs", str(args.concurrency), "--prompt", str(args.prompt),
+           "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+    if args.model or args.quick:
+        cmd += ["--model", args.model or "tiny"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[1:])} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    return figures["detail"][str(stations)][str(args.concurrency)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the rounds, print each and the summary, end with one JSON line."""
+    args = parse_args(argv)
+    print(f"core quota: {args.rounds} rounds of `chain.py --configs 1` and `--configs 2` (--station-cpus 1, "
+          f"{args.concurrency} requests, prompt {args.prompt}, {args.tokens} tokens, {args.repeats} repeats)",
+          file=sys.stderr, flush=True)
+    rounds = []
+    for r in range(args.rounds):
+        order = (1, 2) if r % 2 == 0 else (2, 1)
+        got = {n: run_chain(args, n) for n in order}
+        one, two = got[1], got[2]
+        ratio = two["tok_s"] / one["tok_s"]
+        rounds.append({"one_tok_s": one["tok_s"], "two_tok_s": two["tok_s"], "ratio": ratio,
+                       "one_sha": one["outputs_sha256"], "two_sha": two["outputs_sha256"],
+                       "orchestrator_cpu_ms_per_wave": two["cpu_ms_per_wave"]["driver"],
+                       "wall_ms_per_wave": two["wall_ms_per_wave"], "busy": two["station_busy_fraction"]})
+        print(f"round {r + 1}: one {one['tok_s']:.1f} tok/s, two {two['tok_s']:.1f} tok/s, {ratio:.3f}x, tokens "
+              f"{one['outputs_sha256'][:12]} / {two['outputs_sha256'][:12]}, busy "
+              f"{[round(b, 3) for b in two['station_busy_fraction']]}", flush=True)
+    ratios = [x["ratio"] for x in rounds]
+    median = statistics.median(ratios)
+    identical = len({x[k] for x in rounds for k in ("one_sha", "two_sha")}) == 1
+    reached = sum(x >= TARGET for x in ratios)
+    cpu = statistics.median(x["orchestrator_cpu_ms_per_wave"] for x in rounds)
+    wall = statistics.median(x["wall_ms_per_wave"] for x in rounds)
+    verdict = "met at the median" if median >= TARGET else "NOT met"
+    print(f"two stations / one: median {median:.3f}x over {len(ratios)} rounds ({min(ratios):.3f}-{max(ratios):.3f}x), "
+          f"{reached} of {len(ratios)} at {TARGET}x or more: target {verdict}; tokens identical in every run: "
+          f"{identical}; the pair's orchestrator CPU {cpu:.1f} ms a wave of {wall:.1f} ms (medians)")
+    print(json.dumps({"rounds": rounds, "median_ratio": median, "target": TARGET, "rounds_at_target": reached,
+                      "tokens_identical": identical, "concurrency": args.concurrency, "prompt": args.prompt,
+                      "tokens": args.tokens, "repeats": args.repeats}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
