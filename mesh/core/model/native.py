@@ -42,16 +42,20 @@ def _cpuinfo_lines(*prefixes: str) -> list[str] | None:
     return [next((line for line in lines if line.startswith(p)), "") for p in prefixes]
 
 
-def _cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where it cannot be read."""
-    found = _cpuinfo_lines("vendor_id")
+def _cpuinfo_field(name: str) -> str:
+    """The value of /proc/cpuinfo's first `name` line, or "" where there is none or it cannot be read."""
+    found = _cpuinfo_lines(name)
     return found[0].partition(":")[2].strip() if found else ""
+
+
+def _cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or ""."""
+    return _cpuinfo_field("vendor_id")
 
 
 def _cpu_family() -> str:
-    """/proc/cpuinfo's cpu family ("25" on AMD Zen 3 / Zen 4 parts), or "" where it cannot be read."""
-    found = _cpuinfo_lines("cpu family")
-    return found[0].partition(":")[2].strip() if found else ""
+    """/proc/cpuinfo's cpu family ("25" on AMD Zen 3 / Zen 4 parts), or ""."""
+    return _cpuinfo_field("cpu family")
 
 
 def build_flags() -> tuple[str, ...]:
