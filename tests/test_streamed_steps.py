@@ -299,6 +299,11 @@ def test_a_sequence_that_ends_inside_a_streamed_call_ends_the_call(tiny_llama, h
     link = _Calls(Station(tiny_llama, WHOLE))
     engine = Engine([link], ModelConfig.from_dir(tiny_llama),
                     SchedulerConfig(max_seqs=4, max_wave_tokens=64, decode_steps=32, reply_steps=2))
+
+    def shared_steps() -> list[int]:  # the steps of each streamed call holding both sequences, so far
+        return [sum(parts) for n, parts in list(link.calls) if n == 2]
+
+    before_end = 0  # steps the first shared call had run when the request was cancelled
     try:
         if how == "stop":
             ending = engine.submit(other_prompt, replace(params, stop_token_ids=(other[stop_at],)))
@@ -309,6 +314,7 @@ def test_a_sequence_that_ends_inside_a_streamed_call_ends_the_call(tiny_llama, h
             deadline = time.monotonic() + 60
             while len(ending.outputs[0].token_ids) < 3 and time.monotonic() < deadline:
                 time.sleep(0.001)
+            before_end = (shared_steps() or [0])[0]
             engine.cancel(ending.request_id)
         assert first.result(timeout=120)[0].token_ids == want
         out = ending.result(timeout=120)[0]
@@ -320,8 +326,10 @@ def test_a_sequence_that_ends_inside_a_streamed_call_ends_the_call(tiny_llama, h
         assert engine.stats().waves_ended_early >= 1
     finally:
         engine.close()
-    shared = [parts for n, parts in link.calls if n == 2]  # the streamed calls holding both sequences
-    assert shared and sum(shared[0]) <= 12, link.calls
+    shared = shared_steps()
+    # a stop token after the third token, or a cancel however late the polling thread saw the third token: the
+    # call ends within the part under way and one or two more (2 steps a part), not at step 32
+    assert shared and shared[0] <= max(6, before_end) + 6, link.calls
 
 
 def test_end_steps_ends_a_forward_steps_call_after_its_step_under_way(tiny_llama, steps_server):
