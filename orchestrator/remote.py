@@ -97,10 +97,12 @@ class RemoteLink:
             raise StationDown(f"station {self.address} sent a malformed reply: {e}") from e
 
     def release(self, seq_ids) -> None:
-        """Free KV on the remote station. Where this link was closed (a recovery replaced its station, or a re-plan
-        retired it) there is nothing to free: that process, and its KV, are gone."""
+        """Free KV on the remote station, queued behind its call under way where one runs (station.station_lock:
+        applied before any later call, so nothing sent after this meets that KV). Where this link was closed (a
+        recovery replaced its station, or a re-plan retired it) there is nothing to free: that process, and its KV,
+        are gone."""
         try:
-            self.client.release(list(seq_ids))
+            self.client.release(list(seq_ids), queue_if_busy=True)
         except LinkClosed:
             log.debug("station %s: release after its link was closed (replaced or retired): nothing to free",
                       self.address)

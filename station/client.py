@@ -171,10 +171,15 @@ class StationClient:
         self._note_kv(reply)
         return RelayReply(output, list(reply.relayed), reply.served_seconds)
 
-    def release(self, seq_ids: Sequence[int]) -> int:
-        """Free these sequences' KV on the station; returns how many were resident."""
-        reply = self._call("Release", self._stub.Release, pb.ReleaseRequest(seq_ids=list(seq_ids)))
-        self._note_kv(reply)
+    def release(self, seq_ids: Sequence[int], queue_if_busy: bool = False) -> int:
+        """Free these sequences' KV on the station; returns how many were resident. With `queue_if_busy`, where a
+        call holds the station the release is queued for that call to apply before any later one (0 returned)."""
+        reply = self._call("Release", self._stub.Release,
+                           pb.ReleaseRequest(seq_ids=list(seq_ids), queue_if_busy=queue_if_busy))
+        if reply.queued and not queue_if_busy:
+            raise WireError("queued: the station queued a release that was to wait for it")
+        if not reply.queued:
+            self._note_kv(reply)
         return reply.released
 
     def export_kv(self, entries: Sequence[WaveEntry], layer_start: int, layer_end: int, *, dtype: str,

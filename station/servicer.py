@@ -8,7 +8,8 @@ All validation lives in `mesh.core.wire` and `mesh.core.wire_tensor` (message sh
     station busy         -> RESOURCE_EXHAUSTED   anything else -> INTERNAL (logged)
 
 and the server keeps serving after each. A station's KV is not thread-safe, so
-Forward and Release hold one lock; the server (station.server) still runs a thread pool so
+Forward and Release hold one lock (station.station_lock; a Release sent with `queue_if_busy` while a call holds it
+is queued for that call to apply); the server (station.server) still runs a thread pool so
 that Info and the standard gRPC health service answer while a long forward runs. At
 most `max_pending` lock-taking calls wait at once, which keeps workers free for
 health checks whatever a client sends. The relay link (station.relay_link) calls the same
@@ -17,7 +18,6 @@ Forward through `forward_answer`.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -36,16 +36,13 @@ from station.interceptors import WireBytes
 from station.kv import KVBudgetError
 from station.relay import RelayError, Successors
 from station.server_limits import ServerLimits
+from station.station_lock import StationBusy, StationLock
 from station.step import Station, StepError
 from station.step_replies import RunningSteps, chunked_replies, local_step_replies
 
 log = logging.getLogger(__name__)
 
 _R = TypeVar("_R")
-
-
-class StationBusy(RuntimeError):
-    """Too many calls already hold or wait for the station."""
 
 
 class StationServicer(station_pb2_grpc.StationServicer):
@@ -59,36 +56,20 @@ class StationServicer(station_pb2_grpc.StationServicer):
         self.successors = successors
         self.limits = limits
         self.metrics_address = metrics_address
-        self._lock = threading.Lock()  # one station call at a time: the KV is not thread-safe
-        self._pending = threading.BoundedSemaphore(limits.max_pending)
+        self.lock = StationLock(station, limits.max_pending)  # one call at a time on the KV; releases may queue
         self._positions_per_block: int | None = None
         self.wire = wire  # Forward bytes, relays to the next station included (/metrics)
         self.relay_port = 0  # the port of this station's relay link (start_server sets it), 0: none
         self.running_steps = RunningSteps()  # the ForwardSteps calls running here, which EndSteps can end
 
-    def _exclusive(self, fn: Callable[[], _R]) -> _R:
-        """Run fn holding the station lock; refuse with StationBusy when max_pending calls already wait."""
-        if not self._pending.acquire(blocking=False):
-            raise StationBusy(f"station busy: {self.limits.max_pending} calls already hold or wait for it")
-        try:
-            with self._lock:
-                return fn()
-        finally:
-            self._pending.release()
-
     def probe(self, hang_s: float) -> bool:
         """Run the station's probe row under the station lock: False when the lock stays held for `hang_s`
         (a forward that does not end) or the forward path fails."""
-        if not self._lock.acquire(timeout=hang_s):
-            return False
         try:
-            self.station.probe()
-            return True
+            return self.lock.hold_within(hang_s, self.station.probe)
         except Exception:  # noqa: BLE001 - any failure of the forward path means unhealthy
             log.exception("health probe: the forward path failed")
             return False
-        finally:
-            self._lock.release()
 
     def _guarded(self, context: grpc.ServicerContext, method: str, fn: Callable[[], _R]) -> _R:
         """Run fn; map a failure to its status code and abort the call (the server goes on)."""
@@ -191,8 +172,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
                 request.wave_id, entries, token_ids, steps, relay_to, self._one_step, time_remaining,
                 block_tokens=self._block_tokens(), vocab_size=st.config.vocab_size)
         def step() -> tuple[StationOutput, pb.KVUsage]:
-            return self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps),
-                                            kv_usage_proto(st)))
+            return self.lock.run(lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps))
         if relay_to:  # the successor decodes the onward request while this station computes the rows
             announced = self.successors.announce(request.wave_id, request.entries, relay_to, time_remaining())
             out, kv = self.successors.unless_failed(announced, step)
@@ -221,21 +201,20 @@ class StationServicer(station_pb2_grpc.StationServicer):
                      ) -> tuple[StationOutput, pb.KVUsage]:
         """Some decode steps of a streamed several-step wave at a station holding every layer, under the lock."""
         st = self.station
-        return self._exclusive(lambda: (st.forward(entries, token_ids=token_ids, steps=steps), kv_usage_proto(st)))
+        return self.lock.run(lambda: st.forward(entries, token_ids=token_ids, steps=steps))
 
     def _one_step(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor) -> tuple[StationOutput, pb.KVUsage]:
         """One step of a several-step relayed wave, under the station lock (released between steps, so other
         waves compute while this one's rows travel)."""
         st = self.station
-        return self._exclusive(lambda: (st.forward(entries, token_ids=token_ids), kv_usage_proto(st)))
+        return self.lock.run(lambda: st.forward(entries, token_ids=token_ids))
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
-        """Free the KV of the listed sequences; replies with how many were resident and the KV left."""
-        seq_ids = list(request.seq_ids)
-
+        """Free the KV of the listed sequences; replies with how many were resident and the KV left, or, with
+        `queue_if_busy` while a call holds the station, that the release is queued for that call to apply."""
         def run() -> pb.ReleaseReply:
-            released, kv = self._exclusive(lambda: (self.station.release(seq_ids), kv_usage_proto(self.station)))
-            return pb.ReleaseReply(released=released, kv=kv)
+            released, kv = self.lock.release(list(request.seq_ids), request.queue_if_busy)
+            return pb.ReleaseReply(queued=True) if kv is None else pb.ReleaseReply(released=released, kv=kv)
 
         return self._guarded(context, "Release", run)
 
@@ -244,7 +223,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
         def run() -> pb.ExportKVReply:
             entries, lo, hi = decode_export(request, max_entries=self.limits.max_entries,
                                             max_rows=self.limits.max_rows)
-            (k, v), kv = self._exclusive(lambda: (self.station.export_kv(entries, lo, hi), kv_usage_proto(self.station)))
+            (k, v), kv = self.lock.run(lambda: self.station.export_kv(entries, lo, hi))
             return pb.ExportKVReply(k=tensor_to_proto(k), v=tensor_to_proto(v), kv=kv)
 
         return self._guarded(context, "ExportKV", run)
@@ -256,7 +235,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
             entries, k, v = decode_import(request, dtype=st.spec.dtype, layers=st.spec.end - st.spec.start,
                                           kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                                           max_entries=self.limits.max_entries, max_rows=self.limits.max_rows)
-            kv = self._exclusive(lambda: (st.import_kv(entries, k, v), kv_usage_proto(st))[1])
+            _, kv = self.lock.run(lambda: st.import_kv(entries, k, v))
             return pb.ImportKVReply(kv=kv)
 
         return self._guarded(context, "ImportKV", run)
@@ -277,13 +256,6 @@ def failure_status(err: Exception, method: str) -> tuple[grpc.StatusCode, str]:
         return err.code, str(err)
     log.error("%s failed unexpectedly", method, exc_info=err)  # a bug must cost one call, not the server
     return grpc.StatusCode.INTERNAL, f"{method}: {type(err).__name__}: {err}"
-
-
-def kv_usage_proto(station: Station) -> pb.KVUsage:
-    """The station's KV occupancy as sent with every Forward and Release reply (read under the station lock)."""
-    kv = station.kv_usage()
-    return pb.KVUsage(bytes_used=kv.bytes_used, blocks_used=kv.blocks_used, sequences=kv.sequences,
-                      changes=kv.changes)
 
 
 def info_reply(station: Station, metrics_address: str = "", relay_port: int = 0) -> pb.InfoReply:

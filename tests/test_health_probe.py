@@ -43,12 +43,9 @@ def served(tiny_llama):
 def test_a_forward_that_never_ends_reads_as_not_serving(served):
     station, server, client = served
     assert client.health()
-    server.servicer._lock.acquire()  # a forward holding the station and never returning
-    try:
+    with server.servicer.lock.hold():  # a forward holding the station and never returning
         took = _wait_health(client, False, within=10)
         assert took <= HANG + 2 * PERIOD + 1.0  # detected within hang + period (+ scheduling slack)
-    finally:
-        server.servicer._lock.release()
     _wait_health(client, True, within=10)
 
 

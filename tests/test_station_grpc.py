@@ -304,6 +304,45 @@ def test_health_and_info_answer_during_a_forward(tiny_llama):
         server.stop(grace=0)
 
 
+def test_a_release_sent_during_a_forward_is_queued_and_applied_before_the_station_lets_go(tiny_llama):
+    """Release with queue_if_busy while a forward holds the station: the reply comes at once (queued, no KV figures),
+    the forward's own reply reports the KV after the release, and the sequence is gone for every later call; without
+    queue_if_busy a release waits for the forward, as before."""
+    slow = GatedStation(Station(tiny_llama, StationSpec(layers=(0, 6))))
+    slow.gate.set()
+    server = start_server(slow, limits=ServerLimits(max_workers=4, max_pending=2))
+    client = StationClient(server.address, timeout_s=10)
+    results: dict = {}
+    worker = threading.Thread(target=lambda: results.update(
+        forward=client.forward(1, (WaveEntry(2, 0, 3, GREEDY),), token_ids=[1, 2, 3])))
+    try:
+        client.forward(0, (WaveEntry(1, 0, 3, GREEDY),), token_ids=[4, 5, 6])  # sequence 1 holds KV
+        assert client.kv_usage.sequences == 1
+        slow.gate.clear()
+        slow.entered.clear()
+        worker.start()
+        assert slow.entered.wait(10)  # sequence 2's forward holds the station
+        assert client.release([1], queue_if_busy=True) == 0  # queued: answered while the forward still holds it
+        assert worker.is_alive() and server.servicer.lock.queued_releases == 1
+        assert client.kv_usage.sequences == 1  # a queued release reports no KV figures
+        waiting = threading.Thread(target=lambda: results.update(waited=client.release([2])))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive()  # without queue_if_busy it waits for the station, as before
+        slow.gate.set()
+        worker.join(10)
+        waiting.join(10)
+        assert results["forward"].samples[0] is not None and results["waited"] == 1
+        assert client.kv_usage.sequences == 0 and client.kv_usage.bytes_used == 0
+        assert client.release([1]) == 0  # gone already: the queued release was applied
+        assert client.release([7], queue_if_busy=True) == 0 and client.kv_usage.sequences == 0  # idle: at once
+        assert server.servicer.lock.queued_releases == 1
+    finally:
+        slow.gate.set()
+        client.close()
+        server.stop(grace=0)
+
+
 def test_unexpected_error_is_internal_and_deadline_is_kept(tiny_llama):
     slow = GatedStation(Station(tiny_llama, StationSpec(layers=(0, 6))))
     server = start_server(slow)

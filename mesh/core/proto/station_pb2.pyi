@@ -149,18 +149,22 @@ class RelayHop(_message.Message):
     def __init__(self, address: _Optional[str] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., served_seconds: _Optional[float] = ..., call_seconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("seq_ids",)
+    __slots__ = ("seq_ids", "queue_if_busy")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_IF_BUSY_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    queue_if_busy: bool
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., queue_if_busy: _Optional[bool] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
-    __slots__ = ("released", "kv")
+    __slots__ = ("released", "kv", "queued")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     released: int
     kv: KVUsage
-    def __init__(self, released: _Optional[int] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
+    queued: bool
+    def __init__(self, released: _Optional[int] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ..., queued: _Optional[bool] = ...) -> None: ...
 
 class ExportKVRequest(_message.Message):
     __slots__ = ("entries", "layer_start", "layer_end")

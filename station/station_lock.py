@@ -1,0 +1,117 @@
+"""One call at a time on a station's KV, and releases that need not wait for it.
+
+A station's KV is not thread-safe: a step, a KV export or import and a release each hold one lock. A release that
+finds the lock held by a call (a step under way) may be queued instead of waiting (`release(..., queue_if_busy=True)`):
+the call holding the lock applies every queued release before it lets go, so any call that takes the lock later finds
+that KV freed, exactly as if the release had waited its turn, and the sender goes on at once. The orchestrator's
+releases are sent so: a sequence that ends no longer holds up the next wave's dispatch while each station finishes the
+step under way (on a direct chain the one dispatcher sends every station's release before the next wave).
+
+The hand-over is race-free: a release queues only while holding the queue's own lock and seeing the station lock
+held, and a holder lets go of the station lock only while holding the queue's lock and seeing the queue empty.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+from mesh.core.proto import station_pb2 as pb
+from station.step import Station
+
+log = logging.getLogger(__name__)
+_R = TypeVar("_R")
+
+
+class StationBusy(RuntimeError):
+    """Too many calls already hold or wait for the station."""
+
+
+def kv_usage_proto(station: Station) -> pb.KVUsage:
+    """The station's KV occupancy as sent with every Forward and Release reply (read under the station lock)."""
+    kv = station.kv_usage()
+    return pb.KVUsage(bytes_used=kv.bytes_used, blocks_used=kv.blocks_used, sequences=kv.sequences,
+                      changes=kv.changes)
+
+
+class StationLock:
+    """The station lock, the releases queued while it is held, and the bound on calls waiting for it."""
+
+    def __init__(self, station: Station, max_pending: int) -> None:
+        """At most `max_pending` calls hold or wait for the lock at once (`run` refuses more with StationBusy)."""
+        self._station = station
+        self._max_pending = max_pending
+        self._pending = threading.BoundedSemaphore(max_pending)
+        self._lock = threading.Lock()
+        self._queue_lock = threading.Lock()
+        self._queued: list[int] = []  # seq ids released while a call held the lock, applied before it lets go
+        self.queued_releases = 0  # releases queued so far (not waited for)
+
+    def run(self, fn: Callable[[], _R]) -> tuple[_R, pb.KVUsage]:
+        """fn() holding the lock, and the KV occupancy after it and after any release queued meanwhile;
+        StationBusy when `max_pending` calls already hold or wait for it."""
+        if not self._pending.acquire(blocking=False):
+            raise StationBusy(f"station busy: {self._max_pending} calls already hold or wait for it")
+        try:
+            self._lock.acquire()
+            return self._under_lock(fn)
+        finally:
+            self._pending.release()
+
+    def release(self, seq_ids: Sequence[int], queue_if_busy: bool) -> tuple[int, pb.KVUsage | None]:
+        """Free these sequences' KV: how many were resident and the KV occupancy after; with `queue_if_busy`, where
+        a call holds the lock, the release is queued for that call to apply before it lets go: (0, None)."""
+        if not queue_if_busy:
+            return self.run(lambda: self._station.release(list(seq_ids)))
+        with self._queue_lock:
+            if not self._lock.acquire(blocking=False):
+                self._queued.extend(seq_ids)
+                self.queued_releases += 1
+                return 0, None
+        return self._under_lock(lambda: self._station.release(list(seq_ids)))
+
+    def hold_within(self, timeout: float, fn: Callable[[], object]) -> bool:
+        """fn() holding the lock, waiting at most `timeout` s for it: False where it stayed held (fn's errors
+        propagate)."""
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        self._under_lock(fn)
+        return True
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Hold the lock for the block, waiting for it (what a call does; releases queued meanwhile are applied
+        before it is let go)."""
+        self._lock.acquire()
+        try:
+            yield
+        finally:
+            self._let_go(report=False)
+
+    def _under_lock(self, fn: Callable[[], _R]) -> tuple[_R, pb.KVUsage]:
+        """fn() with the lock held (acquired by the caller), then the lock let go: its result and the KV after."""
+        try:
+            result = fn()
+        except BaseException:
+            self._let_go(report=False)
+            raise
+        kv = self._let_go(report=True)
+        assert kv is not None
+        return result, kv
+
+    def _let_go(self, report: bool) -> pb.KVUsage | None:
+        """Apply every queued release, then let go of the lock; the KV occupancy at that moment where `report`."""
+        while True:
+            with self._queue_lock:
+                if not self._queued:
+                    try:
+                        return kv_usage_proto(self._station) if report else None
+                    finally:  # under the queue lock: a release that saw the lock held has queued by now
+                        self._lock.release()
+                seq_ids, self._queued = self._queued, []
+            try:
+                self._station.release(seq_ids)
+            except Exception:  # noqa: BLE001 - its sender has gone on; the KV stays held, the station serves on
+                log.exception("queued release of %d sequence(s) failed", len(seq_ids))
