@@ -26,7 +26,7 @@ from typing import Callable
 
 from mesh.core.config import ModelConfig, SchedulerConfig
 from mesh.core.params import SamplingParams
-from orchestrator.pipeline import StationDown, StationLink
+from orchestrator.pipeline import StationLink
 from orchestrator.relay import make_pipeline
 from orchestrator.route import RouteMachine, route_limits
 from orchestrator.route_recovery import RouteRecovery
@@ -263,20 +263,7 @@ class Engine(RouteSwitching, RouteRecovery):
     def _finish_wave(self, plan: WavePlan, samples, error: BaseException | None, first_step: int = 0) -> None:
         """Commit a wave's samples (a part before its last step leaves it in flight), or end or replay it."""
         if error is not None:
-            if plan.wave_id not in self._sent:  # a pipeline's report on a wave that already landed: none to end
-                log.error("wave %d failed after it landed (ignored): %s", plan.wave_id, error)
-                return
-            self._leave_flight(plan)  # before a recovery, which waits for every wave to be out of flight
-            self.scheduler.abort_wave(plan)
-            self._release(self.scheduler.take_releases())
-            if isinstance(error, StationDown) and self._catchup is not None and self._catchup.error is None:
-                self._catchup.force = True  # switch to the new route now; its sequences replay their residual there
-                return
-            if isinstance(error, StationDown) and self._recover is not None:
-                self.recover_route()  # its sequences stay live and are replayed on the rebuilt route
-                return
-            for e in plan.entries:
-                self._end(e.seq_id, "error", f"station failed: {error}")
+            self._wave_failed(plan, error)
             return
         result = self.scheduler.commit(plan, samples, first_step)
         self._release(result.released)

@@ -8,13 +8,37 @@ live and are replayed on it. While the station does not come back, the requests 
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
+
+from orchestrator.pipeline import StationDown
+
+log = logging.getLogger(__name__)
 
 
 class RouteRecovery:
     """The Engine's recovery methods (a mixin: the engine's lock, route machine, pipeline, `_recover` callback and
     wave loop)."""
+
+    def _wave_failed(self, plan, error: BaseException) -> None:
+        """A wave failed (the wave loop, holding the lock): its sequences leave flight, then a station lost during a
+        make-before-break switch forces the switch, one lost otherwise starts a recovery (its sequences stay live
+        and are replayed), and any other failure ends the wave's requests with it."""
+        if plan.wave_id not in self._sent:  # a pipeline's report on a wave that already landed: none to end
+            log.error("wave %d failed after it landed (ignored): %s", plan.wave_id, error)
+            return
+        self._leave_flight(plan)  # before a recovery, which waits for every wave to be out of flight
+        self.scheduler.abort_wave(plan)
+        self._release(self.scheduler.take_releases())
+        if isinstance(error, StationDown) and self._catchup is not None and self._catchup.error is None:
+            self._catchup.force = True  # switch to the new route now; its sequences replay their residual there
+            return
+        if isinstance(error, StationDown) and self._recover is not None:
+            self.recover_route()
+            return
+        for e in plan.entries:
+            self._end(e.seq_id, "error", f"station failed: {error}")
 
     def recover_route(self) -> bool:
         """A station failed its health check: rebuild the route now (as after a failed call), when recovery is on.

@@ -123,16 +123,6 @@ class Scheduler(RouteMoves):
         seq.preemptions += 1
         self._counts.preemptions += 1
 
-    def _requeue(self, seq: Sequence) -> None:
-        self._ledger.release(seq)
-        self._seqs.stop_running(seq)
-        seq.num_computed = 0
-        seq.replay, seq.history = seq.history + seq.replay, []  # recompute with the same entry sizes
-        seq.status = SequenceStatus.WAITING
-        seq.skips = 0
-        self._waiting.push_front(seq)
-        self._pending_releases.append(seq.seq_id)
-
     def new_wave_id(self) -> int:
         """A wave id no plan has used (catch-up waves draw from the same counter)."""
         self._next_wave_id += 1
@@ -215,6 +205,10 @@ class Scheduler(RouteMoves):
                 released.append(seq.seq_id)
             elif plan.steps > 1 and self._ledger.prefix_cache:  # blocks the later steps filled, named now
                 self._ledger.name_blocks(seq, self._ledger.names_filled(seq, seq.num_computed))
+        self._count_wave(flight)
+
+    def _count_wave(self, flight: WaveFlight) -> None:
+        plan = flight.plan
         self._counts.count_wave(len(plan.token_ids), len(plan.entries), flight.decode_rows + flight.later,
                                 self.config.max_wave_tokens)
 
@@ -252,8 +246,7 @@ class Scheduler(RouteMoves):
                 self._drop(seq)
                 self._pending_releases.append(seq.seq_id)
         if flight.steps_done:  # the parts it committed count as a wave
-            self._counts.count_wave(len(plan.token_ids), len(plan.entries), flight.decode_rows + flight.later,
-                                    self.config.max_wave_tokens)
+            self._count_wave(flight)
 
     def cancel(self, request_id: str) -> tuple[int, ...]:
         """End every sequence of a request; returns seq ids whose KV to release now (those in

@@ -3,18 +3,31 @@
 A route switch (orchestrator/route_switch.py) moves every live sequence onto new stations with no wave in flight:
 `rebase` sends each running sequence back to the queue to be prefilled again there (a pause switch, or a recovery);
 `adopt` takes the block tables a catch-up built on the new route (orchestrator/catchup.py), with `new_ledger`
-giving that catch-up its empty ledger. Pure Python, no torch.
+giving that catch-up its empty ledger. `_requeue`, the move back to the queue, is also how planning preempts a
+sequence. Pure Python, no torch.
 """
 from __future__ import annotations
 
 from orchestrator.kv_ledger import KVBlockLedger
 from orchestrator.scheduler_types import KVLimits
-from orchestrator.sequence import Sequence
+from orchestrator.sequence import Sequence, SequenceStatus
 
 
 class RouteMoves:
     """Scheduler methods that move its sequences onto another route (a mixin: the scheduler's table, ledger, queue
     and waves in flight)."""
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Drop `seq`'s KV (its station release queued for take_releases) and put it at the front of the waiting
+        queue, to be recomputed with the same entry sizes."""
+        self._ledger.release(seq)
+        self._seqs.stop_running(seq)
+        seq.num_computed = 0
+        seq.replay, seq.history = seq.history + seq.replay, []  # recompute with the same entry sizes
+        seq.status = SequenceStatus.WAITING
+        seq.skips = 0
+        self._waiting.push_front(seq)
+        self._pending_releases.append(seq.seq_id)
 
     def rebase(self, limits: KVLimits) -> tuple[int, ...]:
         """Move to a new route with new KV limits (no wave may be in flight): every running sequence
