@@ -79,7 +79,8 @@ class StationActor:
         self.server = None
         advertised = ray.util.get_node_ip_address() if host in _WILDCARD_HOSTS else host
         # the metrics endpoint starts first, so that Info can name it; it reads the servicer's wire bytes late
-        self._metrics_http = StationMetrics(self.station, wire=self._wire_bytes).serve(host, 0)
+        self._metrics_http = StationMetrics(self.station, wire=self._wire_bytes,
+                                            releases_queued=self._releases_queued).serve(host, 0)
         self._metrics_address = host_port(advertised, self._metrics_http.server_port)
         self.server = start_server(self.station, host=host, port=0, limits=limits or ServerLimits(),
                                    metrics_address=self._metrics_address, token=token, tls=tls,
@@ -92,6 +93,10 @@ class StationActor:
         if self.server is None:
             return {"in": 0, "out": 0}
         return dict(self.server.servicer.wire_bytes)
+
+    def _releases_queued(self) -> int:
+        """Releases the servicer's station lock queued behind a call holding it (zero before it starts)."""
+        return 0 if self.server is None else self.server.servicer.lock.queued_releases
 
     def address(self) -> str:
         """The "host:port" the station's gRPC service listens on (new after every restart)."""

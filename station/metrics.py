@@ -26,8 +26,9 @@ def exposition(registry: CollectorRegistry) -> bytes:
 
 
 class _StationCollector(Collector):
-    def __init__(self, station, labels: dict[str, str], wire: Callable[[], Mapping[str, int]] | None) -> None:
-        self._station, self._labels, self._wire = station, labels, wire
+    def __init__(self, station, labels: dict[str, str], wire: Callable[[], Mapping[str, int]] | None,
+                 releases_queued: Callable[[], int] | None) -> None:
+        self._station, self._labels, self._wire, self._releases_queued = station, labels, wire, releases_queued
 
     def collect(self):
         """One Station.stats() snapshot -> metric families."""
@@ -58,6 +59,9 @@ class _StationCollector(Collector):
                      s.graph_waves)
         yield family(CounterMetricFamily, "station_graph_captures", "CUDA graphs captured (decode wave shapes).",
                      s.graph_captures)
+        yield family(CounterMetricFamily, "station_releases_queued",
+                     "Releases that found a call holding the station and were queued for it to apply.",
+                     self._releases_queued() if self._releases_queued is not None else 0)
         wire = dict(self._wire()) if self._wire is not None else {}
         yield family(CounterMetricFamily, "station_wire_bytes", "Message bytes on the wire, by direction.",
                      extra={d: wire.get(d, 0) for d in sorted({"in", "out", *wire})}, label="direction")
@@ -67,14 +71,16 @@ class StationMetrics:
     """A station process's metrics, labelled by station and layer range; `render()` for its endpoint."""
 
     def __init__(self, station, labels: Mapping[str, str] | None = None,
-                 wire: Callable[[], Mapping[str, int]] | None = None) -> None:
+                 wire: Callable[[], Mapping[str, int]] | None = None,
+                 releases_queued: Callable[[], int] | None = None) -> None:
         """`station` has `.stats() -> StationStats` and `.spec.layers`; `wire()` returns bytes by direction
-        ({"in": n, "out": m}) as counted by the server. Labels default to station="s<start>", layers="start-end"."""
+        ({"in": n, "out": m}) as counted by the server, `releases_queued()` the releases its station lock queued
+        (station.station_lock). Labels default to station="s<start>", layers="start-end"."""
         start, end = station.spec.layers
         merged = {"station": f"s{start}", "layers": f"{start}-{end}"}
         merged.update({str(k): str(v) for k, v in (labels or {}).items()})
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_StationCollector(station, merged, wire))
+        self.registry.register(_StationCollector(station, merged, wire, releases_queued))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this station's metrics."""

@@ -76,8 +76,18 @@ def test_station_actor_serves_metrics_with_wire_bytes(tiny_llama, actors):
         forward = sum(s[("wavemesh_station_forward_seconds_total", tuple(sorted(lab + (("phase", p),))))]
                       for p in ("prefill", "decode"))
         assert forward > 0 and s[("wavemesh_station_forwards_total", lab)] >= 5
+    # a release sent while a call holds the station is queued for that call (station.station_lock), and counted
+    assert before[("wavemesh_station_releases_queued_total", lab0)] == 0
+    spare = RemoteLink(first.address())
+    try:
+        with first.server.servicer.lock.hold():
+            spare.release((99,))  # the orchestrator's releases may queue: answered while the call holds the station
+    finally:
+        spare.close()
+    assert first.server.servicer.lock.queued_releases >= 1
     # the first station sends hidden rows on: far more bytes out than the token ids it receives
     s0 = _samples(first.metrics_address())
+    assert s0[("wavemesh_station_releases_queued_total", lab0)] == first.server.servicer.lock.queued_releases
     assert (s0[("wavemesh_station_wire_bytes_total", tuple(sorted(lab0 + (("direction", "out"),))))]
             > s0[("wavemesh_station_wire_bytes_total", tuple(sorted(lab0 + (("direction", "in"),))))])
 
