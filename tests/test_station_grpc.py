@@ -1,6 +1,7 @@
 """Station over gRPC (no Ray): parity with the in-process station, refusals by status code, health."""
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import replace
 
@@ -274,14 +275,26 @@ class GatedStation:
         return self._station.forward(*args, **kwargs)
 
 
-def test_health_and_info_answer_during_a_forward(tiny_llama):
+@contextlib.contextmanager
+def _gated_server(tiny_llama, gate_open: bool = False):
+    """A whole-model GatedStation served (4 workers, max_pending 2), a client and a results dict; stopped after."""
     slow = GatedStation(Station(tiny_llama, StationSpec(layers=(0, 6))))
+    if gate_open:
+        slow.gate.set()
     server = start_server(slow, limits=ServerLimits(max_workers=4, max_pending=2))
     client = StationClient(server.address, timeout_s=10)
-    results: dict = {}
-    worker = threading.Thread(target=lambda: results.update(
-        forward=client.forward(0, (WaveEntry(1, 0, 3, GREEDY),), token_ids=[1, 2, 3])))
     try:
+        yield slow, server, client, {}
+    finally:
+        slow.gate.set()
+        client.close()
+        server.stop(grace=0)
+
+
+def test_health_and_info_answer_during_a_forward(tiny_llama):
+    with _gated_server(tiny_llama) as (slow, server, client, results):
+        worker = threading.Thread(target=lambda: results.update(
+            forward=client.forward(0, (WaveEntry(1, 0, 3, GREEDY),), token_ids=[1, 2, 3])))
         worker.start()
         assert slow.entered.wait(10)
         assert client.health()
@@ -298,24 +311,15 @@ def test_health_and_info_answer_during_a_forward(tiny_llama):
         worker.join(10)
         second.join(10)
         assert results["forward"].samples[0] is not None and results["released"] == 1
-    finally:
-        slow.gate.set()
-        client.close()
-        server.stop(grace=0)
 
 
 def test_a_release_sent_during_a_forward_is_queued_and_applied_before_the_station_lets_go(tiny_llama):
     """Release with queue_if_busy while a forward holds the station: the reply comes at once (queued, no KV figures),
     the forward's own reply reports the KV after the release, and the sequence is gone for every later call; without
     queue_if_busy a release waits for the forward, as before."""
-    slow = GatedStation(Station(tiny_llama, StationSpec(layers=(0, 6))))
-    slow.gate.set()
-    server = start_server(slow, limits=ServerLimits(max_workers=4, max_pending=2))
-    client = StationClient(server.address, timeout_s=10)
-    results: dict = {}
-    worker = threading.Thread(target=lambda: results.update(
-        forward=client.forward(1, (WaveEntry(2, 0, 3, GREEDY),), token_ids=[1, 2, 3])))
-    try:
+    with _gated_server(tiny_llama, gate_open=True) as (slow, server, client, results):
+        worker = threading.Thread(target=lambda: results.update(
+            forward=client.forward(1, (WaveEntry(2, 0, 3, GREEDY),), token_ids=[1, 2, 3])))
         client.forward(0, (WaveEntry(1, 0, 3, GREEDY),), token_ids=[4, 5, 6])  # sequence 1 holds KV
         assert client.kv_usage.sequences == 1
         slow.gate.clear()
@@ -337,10 +341,6 @@ def test_a_release_sent_during_a_forward_is_queued_and_applied_before_the_statio
         assert client.release([1]) == 0  # gone already: the queued release was applied
         assert client.release([7], queue_if_busy=True) == 0 and client.kv_usage.sequences == 0  # idle: at once
         assert server.servicer.lock.queued_releases == 1
-    finally:
-        slow.gate.set()
-        client.close()
-        server.stop(grace=0)
 
 
 def test_unexpected_error_is_internal_and_deadline_is_kept(tiny_llama):
