@@ -73,7 +73,8 @@ EXPORTED = {f"wavemesh_{n}" for n in (
     "kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "num_waves_in_flight",
     "station_forward_seconds_total", "station_forwards_total", "station_rows_total", "station_wire_bytes_total",
     "station_kv_bytes_total", "station_kv_bytes_used", "station_sequences", "station_load_seconds",
-    "station_packed_weights", "station_graph_waves_total", "station_graph_captures_total")}
+    "station_packed_weights", "station_graph_waves_total", "station_graph_captures_total",
+    "station_releases_queued_total")}
 
 
 def test_no_created_series_and_every_name_kept(tiny_llama):
