@@ -88,26 +88,24 @@ class StationLock:
         try:
             yield
         finally:
-            self._let_go(report=False)
+            self._let_go()
 
     def _under_lock(self, fn: Callable[[], _R]) -> tuple[_R, pb.KVUsage]:
         """fn() with the lock held (acquired by the caller), then the lock let go: its result and the KV after."""
         try:
             result = fn()
         except BaseException:
-            self._let_go(report=False)
+            self._let_go()
             raise
-        kv = self._let_go(report=True)
-        assert kv is not None
-        return result, kv
+        return result, self._let_go()
 
-    def _let_go(self, report: bool) -> pb.KVUsage | None:
-        """Apply every queued release, then let go of the lock; the KV occupancy at that moment where `report`."""
+    def _let_go(self) -> pb.KVUsage:
+        """Apply every queued release, then let go of the lock; the KV occupancy at that moment (a few counters)."""
         while True:
             with self._queue_lock:
                 if not self._queued:
                     try:
-                        return kv_usage_proto(self._station) if report else None
+                        return kv_usage_proto(self._station)
                     finally:  # under the queue lock: a release that saw the lock held has queued by now
                         self._lock.release()
                 seq_ids, self._queued = self._queued, []
