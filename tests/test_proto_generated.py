@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,21 @@ import pytest
 pytest.importorskip("grpc_tools")
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The generator stamps its own version into the bindings as the oldest grpcio / protobuf runtime they need; a
+# newer grpcio-tools from the registry raises the stamp without changing what the proto means, so the
+# comparison leaves the stamps out (the import test below checks that the committed ones load).
+_VERSION_STAMPS = (
+    (re.compile(r"GRPC_GENERATED_VERSION = '[^']*'"), "GRPC_GENERATED_VERSION = <stamp>"),
+    (re.compile(r"# Protobuf Python Version: \S+"), "# Protobuf Python Version: <stamp>"),
+    (re.compile(r"(_runtime_version\.Domain\.PUBLIC,\n)(\s*\d+,\n){3}"), r"\1<stamp>\n"),
+)
+
+
+def _without_version_stamps(text: str) -> str:
+    for pattern, placeholder in _VERSION_STAMPS:
+        text = pattern.sub(placeholder, text)
+    return text
 
 
 def _load_generate():
@@ -25,7 +41,21 @@ def test_committed_bindings_match_proto(tmp_path: Path) -> None:
     for name in gen.GENERATED:
         fresh = (tmp_path / name).read_text()
         committed = (ROOT / "mesh" / "core" / "proto" / name).read_text()
-        assert committed == fresh, f"mesh/core/proto/{name} is stale: run `python proto/generate.py`"
+        assert _without_version_stamps(committed) == _without_version_stamps(fresh), (
+            f"mesh/core/proto/{name} is stale: run `python proto/generate.py`")
+
+
+def test_the_comparison_ignores_only_the_generator_version_stamps() -> None:
+    committed = (ROOT / "mesh" / "core" / "proto" / "station_pb2.py").read_text()
+    restamped = re.sub(r"Domain\.PUBLIC,\n(\s*)\d+,", r"Domain.PUBLIC,\n\g<1>99,", committed)
+    restamped = restamped.replace("# Protobuf Python Version: ", "# Protobuf Python Version: 99.")
+    assert restamped != committed
+    assert _without_version_stamps(restamped) == _without_version_stamps(committed)
+    grpc_text = (ROOT / "mesh" / "core" / "proto" / "station_pb2_grpc.py").read_text()
+    bumped = re.sub(r"GRPC_GENERATED_VERSION = '[^']*'", "GRPC_GENERATED_VERSION = '9.9.9'", grpc_text)
+    assert bumped != grpc_text and _without_version_stamps(bumped) == _without_version_stamps(grpc_text)
+    changed = grpc_text.replace("/wavemesh.v1.Station/Forward'", "/wavemesh.v1.Station/Forward2'", 1)
+    assert changed != grpc_text and _without_version_stamps(changed) != _without_version_stamps(grpc_text)
 
 
 def test_grpc_module_imports_from_package() -> None:
