@@ -284,8 +284,8 @@ class Engine(RouteSwitching, RouteRecovery):
                 if ev.finish_reason is None:
                     self._release(self.scheduler.finish(ev.seq_id, reason))
                 self._forget(ev.seq_id)
-                ended = True
-        if ended and self._streamed:  # a sequence ended inside a streamed call: the stations stop computing its row
+                ended = ended or ev.finish_reason != "length"  # a length end was planned (WaveBuilder.decode_steps)
+        if ended and self._streamed:  # a sequence stopped inside a streamed call: the stations stop computing its row
             self._streamed.end(self.pipeline, self.requests.owns)
 
     def _end(self, seq_id: int, reason: str, error: str | None = None) -> None:

@@ -100,14 +100,18 @@ class WaveBuilder:
         """Step 4: decode steps the stations may run for this wave in one call: 1 unless the wave is all sampled
         decodes, none replaying, nothing is `queued`, and it holds every one of the `ready` sequences (those
         not in flight) or is full at its entry cap (the rest go in the other waves in flight); then up to
-        `max_steps`, within each sequence's max_tokens and the context, and within the free KV (never
-        preempting). Reserves the blocks and widens each entry's table to cover every step."""
+        `max_steps`, as many as its member with the most max_tokens left needs, within every sequence's context
+        and the free KV (never preempting). A member whose max_tokens ends sooner rides the call to its end as a
+        padding row: its later samples are dropped (Scheduler.commit) and its KV goes when the wave lands, so a
+        spread of lengths does not cut every call at its shortest member (a call's end is a round trip through
+        the orchestrator; a padding row costs only its row of each step, and such calls run only while nothing
+        waits). Reserves the blocks and widens each entry's table to cover every step."""
         seqs = [self._seqs[e.seq_id] for e in self.entries]
         if (max_steps < 2 or queued or self.admitted or (len(seqs) != ready and len(seqs) < self.cap)
                 or any(e.n_tokens != 1 or e.sample is None for e in self.entries) or any(s.replay for s in seqs)):
             return 1
-        steps = min([max_steps] + [min(s.params.max_tokens - len(s.output_ids), max_context - s.num_tokens)
-                                   for s in seqs])
+        steps = min([max_steps, max(s.params.max_tokens - len(s.output_ids) for s in seqs)]
+                    + [max_context - s.num_tokens for s in seqs])
         ledger = self._ledger
         while steps > 1 and sum(max(0, ledger.blocks_for(s.num_computed + steps) - len(s.table))
                                 for s in seqs) > ledger.free:

@@ -246,10 +246,12 @@ def _ids(tokens):
     return torch.tensor(tokens, dtype=torch.long)
 
 
-@pytest.mark.parametrize("kv_blocks, steps", [(8, 4), (7, 3)])
+@pytest.mark.parametrize("kv_blocks, steps", [(8, 5), (7, 3)])
 def test_scheduler_steps_only_when_nothing_else_waits_and_within_limits(kv_blocks, steps):
-    """Steps: 1 with a request waiting or a prompt chunk in the wave; else bounded by max_steps, each
-    sequence's max_tokens and the free KV blocks (never preempting); the entries' tables cover every step."""
+    """Steps: 1 with a request waiting or a prompt chunk in the wave; else bounded by max_steps, the most max_tokens
+    any sequence has left and the free KV blocks (never preempting); the entries' tables cover every step. A
+    sequence whose max_tokens ends sooner rides the call: it ends at its own last token, its later samples
+    dropped, and its KV goes when the wave lands."""
     cfg = SchedulerConfig(max_seqs=2, max_wave_tokens=64, max_queue=8)
     sched = Scheduler(cfg, KVLimits(max_context=40, kv_blocks=kv_blocks, block_tokens=4), eos_token_ids=(0,))
     sched.add(1, "a", tuple(range(1, 11)), SamplingParams(max_tokens=6, ignore_eos=True))
@@ -262,20 +264,22 @@ def test_scheduler_steps_only_when_nothing_else_waits_and_within_limits(kv_block
     assert plan.steps == 1 and len(plan.entries) == 2  # request c waits for a lane
     sched.commit(plan, [SampledToken(9), SampledToken(9)])
     sched.cancel("c")
-    # seq 1 holds 11 positions and 2 of its 6 tokens (4 more at most), seq 2 holds 9: with 8 blocks of 4 both
-    # fit 4 steps (4 + 4 blocks); with 7 blocks, 3 (4 + 3)
+    # seq 1 holds 11 positions (3 blocks of 4) and 2 of its 6 tokens (4 more at most), seq 2 holds 9 (3 blocks) and
+    # 2 of its 20: seq 2's 18 tokens left allow max_steps (8), the KV less: with 8 blocks (2 free) 5 steps fit
+    # (positions to 16 and 14: one more block each), with 7 blocks (1 free) 3 (to 14 and 12: one more for seq 1)
     plan = sched.plan(max_steps=8)
     assert plan.steps == steps
     for e in plan.entries:
         assert len(e.blocks) == -(-(e.start_pos + steps) // 4)
     result = sched.commit(plan, [SampledToken(9)] * (2 * steps))
     ends = [ev.finish_reason for ev in result.events if ev.seq_id == 1]
-    assert ends == ([None] * 3 + ["length"] if steps == 4 else [None] * 3)
-    assert result.released == ((1,) if steps == 4 else ())
-    assert sched.stats().decode_tokens == 2 + 2 * steps
-    if steps == 4:
+    assert ends == ([None] * 3 + ["length"] if steps == 5 else [None] * 3)  # seq 1's 5th sample dropped
+    assert result.released == ((1,) if steps == 5 else ())
+    assert sched.stats().decode_tokens == 2 + len(ends) + steps
+    if steps == 5:
         plan = sched.plan(max_steps=8)  # seq 2 alone, 4 blocks free: max_steps bounds it
         assert plan.steps == 8 and len(plan.entries[0].blocks) == -(-(plan.entries[0].start_pos + 8) // 4)
+        assert plan.entries[0].start_pos == 9 + 5
 
 
 def test_only_links_whose_forward_takes_steps_are_asked_for_several(tiny_llama):

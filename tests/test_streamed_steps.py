@@ -332,6 +332,34 @@ def test_a_sequence_that_ends_inside_a_streamed_call_ends_the_call(tiny_llama, h
     assert shared and shared[0] <= max(6, before_end) + 6, link.calls
 
 
+def test_a_sequence_whose_length_ends_inside_a_streamed_call_rides_it_to_its_end(tiny_llama):
+    """Two sequences in one 16-step call in parts of 2, one with 5 tokens, the other 40: the call is planned for
+    the longer one and not ended when the shorter reaches its length (a planned end, unlike a stop or a cancel):
+    the short one ends at its 5th token, its later rows dropped, the long one runs on in the same call; both
+    exact, no call ended early, every KV block back."""
+    short, long = SamplingParams(max_tokens=5, ignore_eos=True), SamplingParams(max_tokens=40, ignore_eos=True)
+    other_prompt = [1, 90, 91, 92]
+    want_short = generate_one(Station(tiny_llama, WHOLE), other_prompt, short)[0]
+    want_long = generate_one(Station(tiny_llama, WHOLE), PROMPT, long)[0]
+    link = _Calls(Station(tiny_llama, WHOLE))
+    engine = Engine([link], ModelConfig.from_dir(tiny_llama),
+                    SchedulerConfig(max_seqs=4, max_wave_tokens=64, decode_steps=16, reply_steps=2))
+    try:
+        ending = engine.submit(other_prompt, short)
+        first = engine.submit(PROMPT, long)
+        out = ending.result(timeout=120)[0]
+        assert (out.token_ids, out.finish_reason) == (want_short, "length")
+        assert first.result(timeout=120)[0].token_ids == want_long
+        assert engine.quiesce(30) and engine.stats().kv_bytes_used == 0
+        assert engine.stats().waves_ended_early == 0
+    finally:
+        engine.close()
+    shared = [sum(parts) for n, parts in list(link.calls) if n == 2]
+    # the short sequence had at most 4 tokens to go when the call holding both began: cut at its length, the call
+    # would have run at most 4 steps
+    assert shared and shared[0] == 16, link.calls
+
+
 def test_end_steps_ends_a_forward_steps_call_after_its_step_under_way(tiny_llama, steps_server):
     """EndSteps during a 20-step ForwardSteps: the stream ends OK with fewer steps, each reply's samples those the
     sequence gets alone, and the station's KV holds exactly the steps that came (the next call goes on from
