@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how station counts are split (MeshConfig.balance)")
     p.add_argument("--hidden-path", default="direct", choices=["direct", "hub"],
                    help="hidden rows station to station (the YAML default) or through the orchestrator")
+    p.add_argument("--max-wave-tokens", type=int, help="rows in one wave (SchedulerConfig.max_wave_tokens; default "
+                   "max(512, --max-seqs))")
     p.add_argument("--extra-waves", type=int, default=0,
                    help="waves in flight beyond one per station (SchedulerConfig.extra_waves), every config")
     add_call_shape_args(p)
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     mach = describe_machine()
     model_dir = resolve_model(args.model, "tiny" if args.quick else "bench")
     cfg = ModelConfig.from_dir(model_dir)
-    sched = SchedulerConfig(max_seqs=args.max_seqs, max_wave_tokens=max(512, args.max_seqs),
+    sched = SchedulerConfig(max_seqs=args.max_seqs, max_wave_tokens=args.max_wave_tokens or max(512, args.max_seqs),
                             max_queue=max(256, *args.concurrency), extra_waves=args.extra_waves,
                             hidden_path=args.hidden_path, decode_steps=args.decode_steps,
                             reply_steps=args.reply_steps)

@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, help="prompt tokens per request (default 32)")
     p.add_argument("--tokens", type=int, help="output tokens per request (default 64)")
     p.add_argument("--repeats", type=int, help="chain.py's repeats per run, median (default 3)")
+    p.add_argument("--max-wave-tokens", type=int, help="rows in one wave, both configs (default: chain.py's)")
     p.add_argument("--quick", action="store_true", help="a smoke test: tiny model, 4 x 8 tokens, 1 round, 1 repeat")
     a = p.parse_args(argv)
     for name, full, quick in (("rounds", 5, 1), ("concurrency", 32, 4), ("prompt", 32, 8), ("tokens", 64, 8),
@@ -44,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(a, name, quick if a.quick else full)
         if getattr(a, name) < 1:
             p.error(f"--{name}: must be >= 1, got {getattr(a, name)}")
+    if a.max_wave_tokens is not None and a.max_wave_tokens < a.concurrency:
+        p.error(f"--max-wave-tokens: must be >= --concurrency ({a.concurrency}), got {a.max_wave_tokens}")
     return a
 
 
@@ -54,6 +57,8 @@ def run_chain(args: argparse.Namespace, stations: int) -> dict:
            "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
     if args.model or args.quick:
         cmd += ["--model", args.model or "tiny"]
+    if args.max_wave_tokens:
+        cmd += ["--max-wave-tokens", str(args.max_wave_tokens)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[1:])} failed ({proc.returncode}): {proc.stderr[-2000:]}")

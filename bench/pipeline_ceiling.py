@@ -1,13 +1,15 @@
 """What a 2-stage pipeline can reach on this machine, measured without the network: the ceiling
 behind `mesh bench mesh`'s pipelined figure.
 
-    python bench/pipeline_ceiling.py [--model DIR] [--split A] [--rows 16] [--steps 12]
+    python bench/pipeline_ceiling.py [--model DIR] [--split A] [--rows 16] [--steps 12] [--whole-threads N]
     mesh bench pipeline_ceiling ...  (same arguments)
 
-(1) Step times alone, in this process: the whole model at --rows decode rows on every core, and
+(1) Step times alone, in this process: the whole model at --rows decode rows on every core (or
+--whole-threads; `--rows 32 --whole-threads 1 --split 8` is issue 13's core quota, one 1-core station
+against two 1-core stations splitting the bench preset as `balance: compute` does), and
 each half of the split [0, A) [A, L) at rows/2 on one thread (a pipeline of two halves a group of
 --rows sequences into two waves). Ceiling = whole / (2 x slower half): the ratio two perfectly
-overlapped 1-thread stages would reach against one station on every core.
+overlapped 1-thread stages would reach against that one station.
 (2) Memory contention: one thread multiplying by 24 decode-shaped weight matrices (too big for the
 cache) alone, then in two processes at once, then with one cached matrix: the cost of two stages
 streaming weights from one memory bus. The last line printed is one JSON object with every figure.
@@ -81,18 +83,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", type=int, help="first layer of the second stage (default: half)")
     p.add_argument("--rows", type=int, default=16, help="concurrent sequences")
     p.add_argument("--steps", type=int, default=12, help="timed decode steps per measurement")
+    p.add_argument("--whole-threads", type=int, help="threads of the whole-model station (default: every core; 1 is "
+                   "the core quota's lone 1-core station against two 1-core stages)")
     args = p.parse_args(argv)
     model_dir = resolve_model(args.model, "bench")
     layers = ModelConfig.from_dir(model_dir).num_hidden_layers
     split = args.split or layers // 2
     cores = os.cpu_count() or 1
-    whole = step_ms(model_dir, (0, layers), args.rows, cores, args.steps)
+    whole_threads = args.whole_threads or cores
+    whole = step_ms(model_dir, (0, layers), args.rows, whole_threads, args.steps)
     halves = [step_ms(model_dir, r, args.rows // 2, 1, args.steps) for r in ((0, split), (split, layers))]
     ceiling = whole / (2 * max(halves))
     streamed_alone = linear_us(max(2, args.rows // 2), 24, 1)[0]
     streamed_two = statistics.mean(linear_us(max(2, args.rows // 2), 24, 2))
     cached = linear_us(max(2, args.rows // 2), 1, 1)[0]
-    print(f"whole model, {args.rows} rows, {cores} threads: {whole:.2f} ms/step")
+    print(f"whole model, {args.rows} rows, {whole_threads} threads: {whole:.2f} ms/step")
     print(f"[0,{split}) and [{split},{layers}), {args.rows // 2} rows, 1 thread each, alone: "
           f"{halves[0]:.2f} / {halves[1]:.2f} ms/step")
     print(f"ceiling of two perfectly overlapped stages vs the whole: {ceiling:.2f}x")
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
           f"matrices alone, {streamed_two:.0f} us with a second process doing the same, {cached:.0f} us cached")
     mach = describe_machine()
     print(f"machine: {mach['cpu']}, {mach['cores']} cores, torch {mach['torch']}, load {mach['loadavg_1m']}")
-    print(json.dumps({"whole_ms": whole, "halves_ms": halves, "split": split, "rows": args.rows,
+    print(json.dumps({"whole_ms": whole, "whole_threads": whole_threads, "halves_ms": halves, "split": split, "rows": args.rows,
                       "ceiling": ceiling, "linear_us": {"streamed_alone": streamed_alone,
                                                         "streamed_two_processes": streamed_two,
                                                         "cached": cached}, "machine": mach}))
