@@ -10,8 +10,9 @@ A lone station gets every core (num_cpus = torch threads = cores); in an N-stati
 max(1, cores // N), so the stations do not oversubscribe the machine. Every configuration is started once and
 kept up; repeats are the outer loop and configurations alternate inside it, so all share the machine's load.
 
-One point: K equal requests (prompt P random ids, T output tokens, greedy, ignore_eos) submitted at once; wall
-time first submit -> last result; aggregate tok/s = K * T / wall (median over repeats). Every station link is
+One point: K equal requests (prompt P random ids, T output tokens, greedy, ignore_eos; with --min-tokens M each
+request's T drawn from [M, T], the same draw for every config) submitted at once; wall time first submit -> last
+result; aggregate tok/s = output tokens / wall (median over repeats). Every station link is
 wrapped to record, per forward call, the link's wall time (RPC round trip included), the station's own compute
 seconds (reported in each reply) and what crossed the wire (the protobuf ByteSize of each ForwardRequest,
 ForwardReply and ReleaseRequest, computed after the timed run; on the direct path, the default as in the YAML, that
@@ -60,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", help="comma-separated request counts (default 1,16)")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--tokens", type=int, help="output tokens per request (default 32)")
+    p.add_argument("--min-tokens", type=int, help="mixed lengths: each request's max_tokens drawn from [N, --tokens] "
+                   "(seeded by K: the same workload on every config and run; default: all --tokens)")
     p.add_argument("--max-seqs", type=int, default=16)
     p.add_argument("--balance", default="memory", choices=["memory", "compute"],
                    help="how station counts are split (MeshConfig.balance)")
@@ -90,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--configs: expected inproc and/or station counts >= 1, got {bad or 'nothing'}")
     if not a.concurrency or min(a.concurrency + [a.prompt, a.tokens, a.max_seqs, a.repeats]) < 1:
         p.error("concurrency, --prompt, --tokens, --max-seqs and --repeats must be >= 1")
+    if a.min_tokens is not None and not 1 <= a.min_tokens <= a.tokens:
+        p.error(f"--min-tokens: must be in [1, --tokens ({a.tokens})], got {a.min_tokens}")
     return a
 
 
@@ -108,17 +113,25 @@ def jobs(k: int, prompt: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(prompt)] for _ in range(k)]
 
 
-def run_point(engine: Engine, links: list[MeteredLink], prompts: list[list[int]], tokens: int) -> dict:
+def lengths(k: int, tokens: int, min_tokens: int | None) -> list[int]:
+    """K requests' max_tokens: all `tokens`, or (min_tokens given) each drawn from [min_tokens, tokens], seeded by K."""
+    if min_tokens is None:
+        return [tokens] * k
+    rng = random.Random(2000 + k)
+    return [rng.randint(min_tokens, tokens) for _ in range(k)]
+
+
+def run_point(engine: Engine, links: list[MeteredLink], prompts: list[list[int]], tokens: list[int]) -> dict:
     """Submit every prompt, one after another as fast as this thread can (the wave loop plans from the first, so a
     run may open with a few small prompt waves); wall time first submit -> last result, and where the time went
-    per wave."""
+    per wave. `tokens`: each request's max_tokens."""
     engine.quiesce()
     waves0 = engine.stats().waves
     for link in links:
         link.reset()
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in tokens]
     cpu0, t0 = cpu_seconds_by_role(), time.perf_counter()
-    streams = [engine.submit(ids, params) for ids in prompts]
+    streams = [engine.submit(ids, sp) for ids, sp in zip(prompts, params)]
     outs = [s.result(timeout=600)[0] for s in streams]
     wall, cpu = time.perf_counter() - t0, cpu_seconds_by_role()
     if not engine.quiesce():
@@ -212,18 +225,20 @@ def main(argv: list[str] | None = None) -> int:
                             hidden_path=args.hidden_path, decode_steps=args.decode_steps,
                             reply_steps=args.reply_steps)
     log(f"model {model_dir} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {args.dtype}, cpu); "
-        f"configs {args.configs}; K {args.concurrency}; prompt {args.prompt}, {args.tokens} tokens; "
+        f"configs {args.configs}; K {args.concurrency}; prompt {args.prompt}, "
+        f"{args.tokens if args.min_tokens is None else f'{args.min_tokens}-{args.tokens} (mixed)'} tokens; "
         f"{args.repeats} repeats")
     up: dict[str, tuple] = {}
     runs: dict[str, dict[int, list[dict]]] = {c: {k: [] for k in args.concurrency} for c in args.configs}
     try:
         start_configs(args, model_dir, cfg, sched, up)
         for name, (engine, links, _, _) in up.items():  # warm-up: every wave shape once
-            run_point(engine, links, jobs(max(args.concurrency), args.prompt, cfg.vocab_size), 2)
+            run_point(engine, links, jobs(max(args.concurrency), args.prompt, cfg.vocab_size), [2] * max(args.concurrency))
         for rep in range(args.repeats):
             for name, (engine, links, _, _) in up.items():
                 for k in args.concurrency:
-                    r = run_point(engine, links, jobs(k, args.prompt, cfg.vocab_size), args.tokens)
+                    r = run_point(engine, links, jobs(k, args.prompt, cfg.vocab_size),
+                                  lengths(k, args.tokens, args.min_tokens))
                     runs[name][k].append(r)
                     log(f"[{rep + 1}/{args.repeats}] {name:>6} K={k:<3} {r['tok_s']:8.1f} tok/s "
                         f"({r['waves']} waves, {r['wall_ms_per_wave']:.1f} ms/wave, "
@@ -274,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = {
         "tok_s": tok_s, "detail": detail, "targets": targets, "tokens_match_inproc": match,
         "stations": {c: up[c][2] for c in args.configs}, "concurrency": args.concurrency, "prompt": args.prompt,
-        "tokens": args.tokens, "max_seqs": args.max_seqs, "extra_waves": args.extra_waves,
+        "tokens": args.tokens, "min_tokens": args.min_tokens, "max_seqs": args.max_seqs, "extra_waves": args.extra_waves,
         "hidden_path": args.hidden_path, "balance": args.balance, "repeats": args.repeats, "dtype": args.dtype,
         "model": str(model_dir), "machine": mach, "loadavg_1m_end": os.getloadavg()[0],
     }

@@ -1,7 +1,7 @@
 """Issue 13's core quota, alternated: two 1-core stations against one, round by round (a measurement, never serving).
 
     python bench/core_quota.py [--rounds 5] [--concurrency 32] [--prompt 32] [--tokens 64] [--repeats 3]
-                               [--model DIR] [--quick]
+                               [--model DIR] [--quick] [--min-tokens N] [--max-wave-tokens N]
     mesh bench core_quota ...  (same arguments)
 
 Each round runs bench/chain.py twice, each in a process of its own (a configuration's stations hold their pinned
@@ -11,6 +11,7 @@ first in odd rounds and second in even ones, so both meet the machine's drift al
 median over --repeats), their ratio and the outputs' sha256 prefix. Then the median ratio and how many rounds reached
 the target (1.6x), whether every run drew the same tokens, and for the pair's runs the orchestrator's CPU per wave
 and each station's busy fraction. Runs on this VM type spread +-7%, so a figure is a median of rounds, never one run.
+--min-tokens (mixed lengths) and --max-wave-tokens measure other workloads the same way; they get no verdict.
 The last line printed is one JSON object.
 """
 from __future__ import annotations
@@ -37,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, help="output tokens per request (default 64)")
     p.add_argument("--repeats", type=int, help="chain.py's repeats per run, median (default 3)")
     p.add_argument("--max-wave-tokens", type=int, help="rows in one wave, both configs (default: chain.py's)")
+    p.add_argument("--min-tokens", type=int, help="mixed lengths: max_tokens drawn from [N, --tokens] per request, "
+                   "the same draw for both configs (chain.py --min-tokens; default: all --tokens)")
     p.add_argument("--quick", action="store_true", help="a smoke test: tiny model, 4 x 8 tokens, 1 round, 1 repeat")
     a = p.parse_args(argv)
     for name, full, quick in (("rounds", 5, 1), ("concurrency", 32, 4), ("prompt", 32, 8), ("tokens", 64, 8),
@@ -45,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(a, name, quick if a.quick else full)
         if getattr(a, name) < 1:
             p.error(f"--{name}: must be >= 1, got {getattr(a, name)}")
+    if a.min_tokens is not None and not 1 <= a.min_tokens <= a.tokens:
+        p.error(f"--min-tokens: must be in [1, --tokens ({a.tokens})], got {a.min_tokens}")
     if a.max_wave_tokens is not None and a.max_wave_tokens < a.concurrency:
         p.error(f"--max-wave-tokens: must be >= --concurrency ({a.concurrency}), got {a.max_wave_tokens}")
     return a
@@ -59,6 +64,8 @@ def run_chain(args: argparse.Namespace, stations: int) -> dict:
         cmd += ["--model", args.model or "tiny"]
     if args.max_wave_tokens:
         cmd += ["--max-wave-tokens", str(args.max_wave_tokens)]
+    if args.min_tokens:
+        cmd += ["--min-tokens", str(args.min_tokens)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[1:])} failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -66,11 +73,16 @@ def run_chain(args: argparse.Namespace, stations: int) -> dict:
     return figures["detail"][str(stations)][str(args.concurrency)]
 
 
+def _tokens(args: argparse.Namespace) -> str:
+    return str(args.tokens) if args.min_tokens is None else f"{args.min_tokens}-{args.tokens} (mixed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the rounds, print each and the summary, end with one JSON line."""
     args = parse_args(argv)
     print(f"core quota: {args.rounds} rounds of `chain.py --configs 1` and `--configs 2` (--station-cpus 1, "
-          f"{args.concurrency} requests, prompt {args.prompt}, {args.tokens} tokens, {args.repeats} repeats)",
+          f"{args.concurrency} requests, prompt {args.prompt}, {_tokens(args)} tokens, {args.repeats} repeats"
+          f"{'' if args.max_wave_tokens is None else f', --max-wave-tokens {args.max_wave_tokens}'})",
           file=sys.stderr, flush=True)
     rounds = []
     for r in range(args.rounds):
@@ -91,13 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     reached = sum(x >= TARGET for x in ratios)
     cpu = statistics.median(x["orchestrator_cpu_ms_per_wave"] for x in rounds)
     wall = statistics.median(x["wall_ms_per_wave"] for x in rounds)
-    verdict = "met at the median" if median >= TARGET else "NOT met"
+    verdict = "target met at the median" if median >= TARGET else "target NOT met"
+    if args.min_tokens is not None or args.max_wave_tokens is not None:
+        verdict = "no verdict (not the issue's workload)"
     print(f"two stations / one: median {median:.3f}x over {len(ratios)} rounds ({min(ratios):.3f}-{max(ratios):.3f}x), "
-          f"{reached} of {len(ratios)} at {TARGET}x or more: target {verdict}; tokens identical in every run: "
+          f"{reached} of {len(ratios)} at {TARGET}x or more: {verdict}; tokens identical in every run: "
           f"{identical}; the pair's orchestrator CPU {cpu:.1f} ms a wave of {wall:.1f} ms (medians)")
     print(json.dumps({"rounds": rounds, "median_ratio": median, "target": TARGET, "rounds_at_target": reached,
                       "tokens_identical": identical, "concurrency": args.concurrency, "prompt": args.prompt,
-                      "tokens": args.tokens, "repeats": args.repeats}))
+                      "tokens": args.tokens, "min_tokens": args.min_tokens, "max_wave_tokens": args.max_wave_tokens,
+                      "repeats": args.repeats}))
     return 0
 
 

@@ -1,7 +1,7 @@
 """`mesh bench scale`: does adding stations add throughput? Hub vs direct transfer (issue 13 items 2 and 4).
 
     mesh bench scale [--stations 1,2,4,8] [--paths hub,direct] [--wave-ms 64] [--k 64] [--hidden 8192]
-                     [--tokens 128] [--rounds 1] [--real-stations 2,3] [--real-k 16,32] [--real-device cpu] [--real-dtype float32]
+                     [--tokens 128] [--min-tokens N] [--rounds 1] [--real-stations 2,3] [--real-k 16,32] [--real-device cpu] [--real-dtype float32]
                      [--real-threads 0] [--real-balance layers] [--real-wave-tokens 0] [--skip-sim] [--skip-real] [--quick]
 
 SIMULATED part (bench/sim_station.py): P evenly split stations, each a real gRPC server in its own process
@@ -9,7 +9,8 @@ with the cluster token, whose step is a sleep of f * T (T = --wave-ms for the wh
 f = its share of the layers) and whose hidden rows are the model's width in bfloat16 (1 MiB per hop at
 K=64, width 8192). Everything else is the real code: the engine's wave loop, scheduler and KV ledger in
 this process, the wire encoding and validation, relays, sampled ids coming back. K*P requests (prompt of
-one token, --tokens decode steps, ignore_eos) keep P waves of K rows in flight. Reported per P and path:
+one token, --tokens decode steps, ignore_eos; with --min-tokens M each request's max_tokens drawn from [M, --tokens],
+one seeded draw for every P and round, a workload the targets are not set for) keep P waves of K rows in flight. Reported per P and path:
 throughput and its ratio to P=1 (target: direct >= 0.9 x P for P <= 4, >= 0.7 x P at P = 8), this process's
 CPU per step and share of one core (the orchestrator: stations are other processes), per-hop transfer cost p50/p99 (a call's
 wall time minus the callee's own time in it, per decode step of the call: hub = orchestrator <-> station i,
@@ -36,6 +37,7 @@ import argparse
 import hashlib
 import json
 import os
+import random
 import sys
 import tempfile
 
@@ -52,6 +54,15 @@ def sim_model_config(sim: SimModel) -> ModelConfig:
                        intermediate_size=4 * sim.hidden_size, num_hidden_layers=sim.num_layers,
                        num_attention_heads=64, num_key_value_heads=8, head_dim=sim.hidden_size // 64,
                        max_position_embeddings=8192)
+
+
+def sim_lengths(args, n: int) -> int | list[int]:
+    """The SIMULATED requests' max_tokens: --tokens for all, or (--min-tokens) n seeded draws from [min, --tokens],
+    the first K*P' of the same list for a smaller P' (so every P serves requests of the same spread)."""
+    if args.min_tokens is None:
+        return args.tokens
+    rng = random.Random(3000)
+    return [rng.randint(args.min_tokens, args.tokens) for _ in range(max(args.stations) * args.k)][:n]
 
 
 def simulated(args) -> list[dict]:
@@ -77,8 +88,9 @@ def _simulated_round(args) -> list[dict]:
                                                    "--workers", str(2 * p + 8), *relay_flags(args)])
         try:
             prompts = [[1 + i % 1000] for i in range(args.k * p)]
+            tokens = sim_lengths(args, len(prompts))
             for path in (["hub"] if p == 1 else args.paths):
-                r = run_point(addresses, sim_model_config(sim), path, prompts, args.tokens, args.k, args.decode_steps,
+                r = run_point(addresses, sim_model_config(sim), path, prompts, tokens, args.k, args.decode_steps,
                               tuple(proc.pid for proc in procs), reply_steps=args.reply_steps)
                 r.pop("tokens")
                 r["limit"], r["limit_busy_pct"] = sim_limit(r, device_ms)
@@ -147,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=8192)
     p.add_argument("--num-layers", type=int, default=80)
     p.add_argument("--tokens", type=int, default=128, help="tokens per request (128: the steady state outweighs the pipeline's fill and drain)")
+    p.add_argument("--min-tokens", type=int, help="SIMULATED mixed lengths: max_tokens drawn from [N, --tokens] per "
+                   "request (seeded; not the workload the targets are set for)")
     add_call_shape_args(p)
     p.add_argument("--real-stations", type=ints, default=[2, 3])
     p.add_argument("--real-k", type=ints, default=[16, 32])
@@ -173,12 +187,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.quick:
         args.stations, args.k, args.hidden, args.tokens, args.real_k = [1, 2], 8, 256, 4, [4]
+    if args.min_tokens is not None and not 1 <= args.min_tokens <= args.tokens:
+        p.error(f"--min-tokens: must be in [1, --tokens ({args.tokens})], got {args.min_tokens}")
     print(f"command: mesh bench scale {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"load at start: {os.getloadavg()}  cores: {os.cpu_count()}")
     sim_rows = [] if args.skip_sim else simulated(args)
     if sim_rows:
         print(f"\nSIMULATED GPU stations: T={args.wave_ms} ms per whole-model wave at K={args.k}, hidden {args.hidden} "
-              f"bfloat16 ({sim_rows[0]['hop_mib']:.2f} MiB per hop), {args.tokens} decode steps, P waves in flight"
+              f"bfloat16 ({sim_rows[0]['hop_mib']:.2f} MiB per hop), "
+              + (f"{args.tokens} decode steps" if args.min_tokens is None else
+                 f"max_tokens {args.min_tokens}-{args.tokens} by request (mixed lengths: the target and met "
+                 "columns are the equal-length targets', for reference only)")
+              + ", P waves in flight"
               + (f", the median of {args.rounds} rounds" if args.rounds > 1 else ""))
         print("| P | path | tok/s | x P=1 | target | met | orchestrator CPU ms/step | orchestrator core % "
               "| x P=1 by round | hop p50 ms | hop p99 ms | hop p50 by station ms | turn p50 by station ms "

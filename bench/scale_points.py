@@ -85,11 +85,13 @@ def stop_stations(procs: list[subprocess.Popen]) -> None:
             proc.kill()
 
 
-def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k: int, decode_steps: int = 0,
-              station_pids: tuple[int, ...] = (), wave_tokens: int = 0, reply_steps: int = 0) -> dict:
+def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int | list[int], k: int,
+              decode_steps: int = 0, station_pids: tuple[int, ...] = (), wave_tokens: int = 0,
+              reply_steps: int = 0) -> dict:
     """K-per-wave requests through an engine over `addresses` on `path`; wall, CPU (this process's and the station
-    processes' `station_pids`), bytes, hops, token ids. `wave_tokens` (0: max(K, 64 per station)) is
-    scheduler.max_wave_tokens."""
+    processes' `station_pids`), bytes, hops, token ids. `tokens`: every request's max_tokens, or one per prompt.
+    `wave_tokens` (0: max(K, 64 per station)) is scheduler.max_wave_tokens."""
+    lengths = [tokens] * len(prompts) if isinstance(tokens, int) else list(tokens)
     links = [TimedLink(a, timeout_s=120, token=TOKEN) for a in addresses]
     sched = SchedulerConfig(max_seqs=len(prompts), max_wave_tokens=wave_tokens or max(len(prompts), 64 * len(addresses)),
                             max_queue=len(prompts), hidden_path=path, decode_steps=decode_steps,
@@ -97,10 +99,9 @@ def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k:
     engine = Engine(links, model, sched)
     freeze_long_lived()  # as a serving process does once it is up (mesh/core/long_lived.py)
     try:
-        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
         station_cpu0 = [process_cpu_seconds(pid) for pid in station_pids]
         cpu0, t0 = time.process_time(), time.perf_counter()
-        streams = [engine.submit(p, params) for p in prompts]
+        streams = [engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
         results = [s.result(timeout=900)[0] for s in streams]
         errors = [r.error for r in results if r.error]
         if errors:  # a failed request must not count as served tokens
@@ -119,9 +120,9 @@ def run_point(addresses, model: ModelConfig, path: str, prompts, tokens: int, k:
         for link in links:
             link.close()
     flat = [s for h in hops for s in h]
-    steps = len(prompts) * tokens / k  # K-row steps: a wave call runs one or several (decode_steps)
+    steps = sum(lengths) / k  # K-row steps: a wave call runs one or several (decode_steps)
     return {"path": pipeline.hidden_path, "stations": len(addresses), "k": k, "wall_s": wall, "waves": waves,
-            "steps": steps, "tok_s": len(prompts) * tokens / wall, "cpu_ms_per_step": 1000 * cpu / steps,
+            "steps": steps, "tok_s": sum(lengths) / wall, "cpu_ms_per_step": 1000 * cpu / steps,
             "orch_core_pct": 100 * cpu / wall,
             "wall_ms_per_step": 1000 * wall / steps, "orch_kib_per_step": through / steps / 1024,
             "hop_p50_ms": 1000 * percentile(flat, 50), "hop_p99_ms": 1000 * percentile(flat, 99),

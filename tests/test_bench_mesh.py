@@ -36,8 +36,8 @@ def test_core_quota_quick_runs(tiny_llama):
     tokens of both (identical) and the pair's busy fractions, ending with a JSON line."""
     pytest.importorskip("ray")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "core_quota.py"), "--model", str(tiny_llama), "--quick"],
-                          check=False, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "core_quota.py"), "--model", str(tiny_llama), "--quick",
+                           "--min-tokens", "3"], check=False, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     (only,) = figures["rounds"]
@@ -46,14 +46,31 @@ def test_core_quota_quick_runs(tiny_llama):
     assert figures["tokens_identical"] and only["one_sha"] == only["two_sha"]
     assert len(only["busy"]) == 2 and all(0 < b <= 1 for b in only["busy"])
     assert figures["rounds_at_target"] == (figures["median_ratio"] >= figures["target"])
+    assert figures["min_tokens"] == 3 and "no verdict (not the issue's workload)" in proc.stdout
+
+
+def test_mixed_lengths_are_one_seeded_draw_per_concurrency():
+    """chain.py's --min-tokens: every request's max_tokens in [min, max], the same draw on every call (so every config
+    and repeat serves one workload), spread rather than equal; without it, all equal."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import chain
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    drawn = chain.lengths(32, 64, 8)
+    assert drawn == chain.lengths(32, 64, 8) and len(drawn) == 32
+    assert all(8 <= n <= 64 for n in drawn) and len(set(drawn)) > 8
+    assert chain.lengths(4, 16, None) == [16] * 4
 
 
 def test_pipeline_ceiling_runs(tiny_llama):
     """`bench/pipeline_ceiling.py` on the tiny checkpoint ends with a JSON line of positive figures."""
     script = SCRIPT.parent / "pipeline_ceiling.py"
-    proc = subprocess.run([sys.executable, str(script), "--model", str(tiny_llama), "--rows", "4", "--steps", "2"],
+    proc = subprocess.run([sys.executable, str(script), "--model", str(tiny_llama), "--rows", "4", "--steps", "2",
+                           "--whole-threads", "1"],
                           check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert figures["whole_ms"] > 0 and len(figures["halves_ms"]) == 2 and figures["ceiling"] > 0
+    assert figures["whole_threads"] == 1
     assert all(v > 0 for v in figures["linear_us"].values())

@@ -7,6 +7,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -108,9 +109,26 @@ def test_simulated_chain_serves_through_the_real_engine():
             (station_ms,) = r["station_cpu_ms_per_step"]
             assert 0 <= station_ms <= r["wall_ms_per_step"] * os.cpu_count() + 10, r
         assert all(st.kv_usage().sequences == 0 for st in stations)
+        lengths = [1, 5, 2, 4, 3, 5, 1, 2]  # mixed lengths: each request its own max_tokens
+        mixed = scale.run_point([s.address for s in servers], scale.sim_model_config(sim), "direct", prompts,
+                                lengths, 4)
+        assert [len(t) for t in mixed["tokens"]] == lengths and mixed["steps"] == sum(lengths) / 4
+        assert [t[:min(n, 3)] for t, n in zip(mixed["tokens"], lengths)] == [  # the 3-token run's tokens, as far as
+            t[:n] for t, n in zip(got["direct"]["tokens"], lengths)]            # both go
+        assert all(st.kv_usage().sequences == 0 for st in stations)
     finally:
         for s in servers:
             s.stop(0)
+
+
+def test_mixed_lengths_are_one_seeded_draw_shared_by_every_p():
+    """--min-tokens: n draws in [min, --tokens], the same on every call, a smaller P's requests the first of a larger
+    P's; without it, every request gets --tokens."""
+    args = SimpleNamespace(min_tokens=16, tokens=128, stations=[1, 2, 4], k=64)
+    four = scale.sim_lengths(args, 256)
+    assert four == scale.sim_lengths(args, 256) and len(four) == 256 and all(16 <= n <= 128 for n in four)
+    assert scale.sim_lengths(args, 64) == four[:64] and len(set(four)) > 50
+    assert scale.sim_lengths(SimpleNamespace(min_tokens=None, tokens=128, stations=[1], k=64), 64) == 128
 
 
 def test_merge_rounds_keeps_each_points_median_round():
