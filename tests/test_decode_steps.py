@@ -11,7 +11,6 @@ from tokenizers import Tokenizer
 
 from mesh.core.config import ConfigError, ModelConfig, SchedulerConfig, StationSpec
 from mesh.core.params import SamplingParams
-from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
 from mesh.core.wave import SampledToken, WaveEntry
 from mesh.core.wire import WireError, encode_forward

@@ -21,6 +21,8 @@ from station.generate import generate_one
 from station.server import ServerLimits, start_server
 from station.step import Station
 
+from test_decode_steps import whole_station_server
+
 PROMPT = [1, 17, 300, 45, 99, 7, 250, 11, 64, 3]
 STEPS = 16
 GREEDY = SamplingParams(max_tokens=STEPS, ignore_eos=True)
@@ -30,13 +32,8 @@ HIDDEN = 64  # hidden_size of the tiny preset
 @pytest.fixture(scope="module")
 def full(tiny_llama):
     """A server over a whole-model station, and a client of it."""
-    server = start_server(Station(tiny_llama, StationSpec(layers=(0, 6))))
-    client = StationClient(server.address, timeout_s=30, hidden_size=HIDDEN, vocab_size=512)
-    try:
-        yield server, client
-    finally:
-        client.close()
-        server.stop(grace=0)
+    with whole_station_server(tiny_llama) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")
