@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start_configs(args, model_dir, cfg, sched, up)
         for name, (engine, links, _, _) in up.items():  # warm-up: every wave shape once
-            run_point(engine, links, jobs(max(args.concurrency), args.prompt, cfg.vocab_size), [2] * max(args.concurrency))
+            top = max(args.concurrency)
+            run_point(engine, links, jobs(top, args.prompt, cfg.vocab_size), [2] * top)
         for rep in range(args.repeats):
             for name, (engine, links, _, _) in up.items():
                 for k in args.concurrency:
@@ -289,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     figures = {
         "tok_s": tok_s, "detail": detail, "targets": targets, "tokens_match_inproc": match,
         "stations": {c: up[c][2] for c in args.configs}, "concurrency": args.concurrency, "prompt": args.prompt,
-        "tokens": args.tokens, "min_tokens": args.min_tokens, "max_seqs": args.max_seqs, "extra_waves": args.extra_waves,
+        "tokens": args.tokens, "min_tokens": args.min_tokens, "max_seqs": args.max_seqs,
+        "extra_waves": args.extra_waves,
         "hidden_path": args.hidden_path, "balance": args.balance, "repeats": args.repeats, "dtype": args.dtype,
         "model": str(model_dir), "machine": mach, "loadavg_1m_end": os.getloadavg()[0],
     }

@@ -10,8 +10,8 @@ f = its share of the layers) and whose hidden rows are the model's width in bflo
 K=64, width 8192). Everything else is the real code: the engine's wave loop, scheduler and KV ledger in
 this process, the wire encoding and validation, relays, sampled ids coming back. K*P requests (prompt of
 one token, --tokens decode steps, ignore_eos; with --min-tokens M each request's max_tokens drawn from [M, --tokens],
-one seeded draw for every P and round, a workload the targets are not set for) keep P waves of K rows in flight. Reported per P and path:
-throughput and its ratio to P=1 (target: direct >= 0.9 x P for P <= 4, >= 0.7 x P at P = 8), this process's
+one seeded draw for every P and round, a workload the targets are not set for) keep P waves of K rows in flight.
+Reported per P and path: throughput and its ratio to P=1 (target: direct >= 0.9 x P for P <= 4, >= 0.7 x P at P = 8), this process's
 CPU per step and share of one core (the orchestrator: stations are other processes), per-hop transfer cost p50/p99 (a call's
 wall time minus the callee's own time in it, per decode step of the call: hub = orchestrator <-> station i,
 direct = station i-1 -> station i, hop 0 = orchestrator -> first station) and the Forward bytes through the
