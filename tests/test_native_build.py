@@ -36,21 +36,39 @@ def test_an_edited_header_names_another_library(tmp_path):
 
 
 def test_the_cpu_vendor_chooses_the_request_policy_and_names_its_library(monkeypatch):
-    """Intel builds request streamed weights into L1 (WAVEMESH_PREFETCH_T0), AMD family-25 builds spread the next
-    block's requests into L2 (WAVEMESH_SPREAD_L2), others keep the non-temporal policy; each build is a different
-    library, so a cache shared across machines never loads another's."""
+    """Intel builds request streamed weights into L1 (WAVEMESH_PREFETCH_T0; with AMX their spread requests from 3 rows,
+    WAVEMESH_SPREAD_FROM_3), AMD family-25 builds spread the next block's requests into L2 (WAVEMESH_SPREAD_L2), others
+    keep the non-temporal policy; each build is a different library, so a cache shared across machines never loads
+    another's."""
     names, flags = {}, {}
-    for vendor, family in (("GenuineIntel", "6"), ("AuthenticAMD", "25"), ("AuthenticAMD", "26")):
+    for vendor, family, amx in (("GenuineIntel", "6", False), ("GenuineIntel", "6", True), ("AuthenticAMD", "25", True),
+                                ("AuthenticAMD", "26", False)):
         monkeypatch.setattr(native, "_cpu_vendor", lambda v=vendor: v)
         monkeypatch.setattr(native, "_cpu_family", lambda f=family: f)
-        names[vendor, family] = library_name(SOURCES + HEADERS)
-        flags[vendor, family] = [f for f in native.build_flags() if f.startswith("-DWAVEMESH")]
-    assert flags == {("GenuineIntel", "6"): ["-DWAVEMESH_PREFETCH_T0"],
-                     ("AuthenticAMD", "25"): ["-DWAVEMESH_SPREAD_L2"], ("AuthenticAMD", "26"): []}
-    assert len(set(names.values())) == 3
+        monkeypatch.setattr(native, "_cpu_has", lambda flag, a=amx: a and flag == "amx_tile")
+        names[vendor, family, amx] = library_name(SOURCES + HEADERS)
+        flags[vendor, family, amx] = [f for f in native.build_flags() if f.startswith("-DWAVEMESH")]
+    assert flags == {("GenuineIntel", "6", False): ["-DWAVEMESH_PREFETCH_T0"],
+                     ("GenuineIntel", "6", True): ["-DWAVEMESH_PREFETCH_T0", "-DWAVEMESH_SPREAD_FROM_3"],
+                     ("AuthenticAMD", "25", True): ["-DWAVEMESH_SPREAD_L2"], ("AuthenticAMD", "26", False): []}
+    assert len(set(names.values())) == 4
     header = next(h for h in HEADERS if h.name == "register_tile.h").read_text()
     for flag in ("WAVEMESH_PREFETCH_T0", "WAVEMESH_SPREAD_L2"):  # each flag is read where it matters
         assert f"defined(__AVX512F__) && defined({flag})" in header
+    start = header.index("defined(WAVEMESH_PREFETCH_T0)")
+    intel = header[start:header.index("#elif", start)]
+    assert "#if defined(WAVEMESH_SPREAD_FROM_3)\n#define SPREAD_ROWS 3" in intel  # read inside the Intel policy
+
+
+def test_cpu_flags_are_read_from_cpuinfo(monkeypatch):
+    """_cpu_has finds a whole flag in /proc/cpuinfo's flags line, not a prefix of another, and nothing where the file
+    cannot be read."""
+    monkeypatch.setattr(native, "_cpuinfo", lambda: ("vendor_id\t: GenuineIntel", "flags\t\t: fpu avx512f amx_tile_x"))
+    assert native._cpu_has("avx512f") and not native._cpu_has("amx_tile")
+    monkeypatch.setattr(native, "_cpuinfo", lambda: ("flags\t\t: fpu amx_tile amx_bf16",))
+    assert native._cpu_has("amx_tile")
+    monkeypatch.setattr(native, "_cpuinfo", lambda: None)
+    assert not native._cpu_has("amx_tile")
 
 
 @pytest.mark.skipif(resolve_linear_backend("auto", torch.device("cpu"), torch.float32) != "packed",

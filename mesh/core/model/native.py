@@ -1,12 +1,13 @@
 """The station's own C kernels (mesh/core/model/csrc/*.c), compiled once per machine and loaded with ctypes.
 
 The library is built with the system C compiler (`cc -O3 -march=native -fopenmp`; on an Intel CPU
--DWAVEMESH_PREFETCH_T0, on an AMD family-25 CPU -DWAVEMESH_SPREAD_L2) into ~/.cache/wavemesh/kernels (or a per-user
-temporary folder where the home is not writable), under a name that hashes the sources and headers, the flags and the
-CPU model, so a changed source, another compiler flag or another machine builds afresh and concurrent stations never
-read a half-written file (written to a temporary name, then renamed). It links the same OpenMP runtime torch already
-loaded (libgomp.so.1), so its threads are torch's threads. Where no compiler or no AVX2/FMA is present, `load_native`
-answers None and the reason, and the station uses torch's kernels instead.
+-DWAVEMESH_PREFETCH_T0, with AMX also -DWAVEMESH_SPREAD_FROM_3, on an AMD family-25 CPU -DWAVEMESH_SPREAD_L2) into
+~/.cache/wavemesh/kernels (or a per-user temporary folder where the home is not writable), under a name that hashes
+the sources and headers, the flags and the CPU model, so a changed source, another compiler flag or another machine
+builds afresh and concurrent stations never read a half-written file (written to a temporary name, then renamed). It
+links the same OpenMP runtime torch already loaded (libgomp.so.1), so its threads are torch's threads. Where no
+compiler or no AVX2/FMA is present, `load_native` answers None and the reason, and the station uses torch's kernels
+instead.
 """
 from __future__ import annotations
 
@@ -58,14 +59,21 @@ def _cpu_family() -> str:
     return _cpuinfo_field("cpu family")
 
 
+def _cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo's flags name `flag` (amx_tile: an Intel part from Sapphire Rapids on)."""
+    return flag in _cpuinfo_field("flags").split()
+
+
 def build_flags() -> tuple[str, ...]:
     """CFLAGS and what this CPU chooses in the sources (csrc/register_tile.h): on Intel, streamed weights are
-    requested into L1, never as non-temporal (WAVEMESH_PREFETCH_T0); on AMD family 25, waves of 7 rows or more
-    request the next weights into L2, their requests spread over the row tiles, and 1-6 rows request none
-    (WAVEMESH_SPREAD_L2; an AVX2-only part of that family, Zen 3, never reads it)."""
+    requested into L1, never as non-temporal (WAVEMESH_PREFETCH_T0), and on an Intel part with AMX waves of 3 rows or
+    more spread their requests for the next weights over the row tiles (WAVEMESH_SPREAD_FROM_3; without AMX, from 9
+    rows); on AMD family 25, waves of 7 rows or more request the next weights into L2, their requests spread over
+    the row tiles, and 1-6 rows request none (WAVEMESH_SPREAD_L2; an AVX2-only part of that family, Zen 3, never
+    reads it)."""
     vendor = _cpu_vendor()
     if vendor == "GenuineIntel":
-        return CFLAGS + ("-DWAVEMESH_PREFETCH_T0",)
+        return CFLAGS + ("-DWAVEMESH_PREFETCH_T0",) + (("-DWAVEMESH_SPREAD_FROM_3",) if _cpu_has("amx_tile") else ())
     if vendor == "AuthenticAMD" and _cpu_family() == "25":
         return CFLAGS + ("-DWAVEMESH_SPREAD_L2",)
     return CFLAGS

@@ -71,7 +71,16 @@ INLINE vec in_register(vec v) {
 #define MID_ROWS_PREFETCH 16
 #define MID_ROWS_AHEAD 0
 #define NEXT_BLOCK_HINT _MM_HINT_T1
+/* On an Intel part with AMX (native.py defines WAVEMESH_SPREAD_FROM_3 where /proc/cpuinfo names amx_tile; the
+ * session 42 VM, 2 MiB of L2 a core) the spread requests pay from 3 rows: a bench-preset decode step at batch 3 / 4
+ * / 6 / 8 takes 0.94-0.96 / 0.87-0.89 / 0.84-0.88 / 0.88-0.91x the time (two runs of 12 alternated pairs, every pair
+ * faster), SmolLM2's 0.92x at 4 and 8 (16 of 16), batch 1 and 12-16 unchanged, tokens equal
+ * (bench/out/kernel_spread_s42.txt). Session 30's Intel type (no AMX) found 3-8 rows 1.00-1.04x so, and keeps 9. */
+#if defined(WAVEMESH_SPREAD_FROM_3)
+#define SPREAD_ROWS 3
+#else
 #define SPREAD_ROWS 9
+#endif
 #define SPREAD_HINT _MM_HINT_T1
 #elif defined(__AVX512F__) && defined(WAVEMESH_SPREAD_L2)
 /* Zen 4 (AMD family 25; native.py defines WAVEMESH_SPREAD_L2 there), session 39, bench/out/linear_stream_s39_zen4.txt:
