@@ -1,7 +1,8 @@
 """Station step benchmark: decode tok/s of one full-model station vs Hugging Face `generate`, and the roofline.
 
     python bench/step.py [--model DIR] [--batches 1,4,16,32] [--prompt-len 64] [--steps 32] [--repeats 3]
-                         [--dtype float32] [--device cpu] [--threads N] [--no-hf] [--quick] [--profile]
+                         [--dtype float32] [--device cpu] [--threads N] [--no-hf] [--hf-batches 1,16] [--quick]
+                         [--profile]
     mesh bench step ...  (same arguments)
 
 Both sides time decode only: our station prefills B prompts in one wave (which yields the first token)
@@ -54,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs on a CUDA device (StationSpec.cuda_graphs off)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    p.add_argument("--hf-batches", default="1,16", help="the batches of --batches HF is also timed at")
     p.add_argument("--quick", action="store_true", help="batches 1,4; steps 8; repeats 1")
     p.add_argument("--profile", action="store_true",
                    help="also print where a decode step's time goes (linears, attention, sampling, other ops)")
@@ -61,6 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.quick:
         a.batches, a.steps, a.repeats = "1,4", 8, 1
     a.batches = [int(b) for b in a.batches.split(",") if b.strip()]
+    try:
+        a.hf_batches = [int(b) for b in a.hf_batches.split(",") if b.strip()]
+    except ValueError:
+        p.error(f"--hf-batches: expected comma-separated integers, got {a.hf_batches!r}")
     if a.steps < 2 or a.prompt_len < 1 or a.repeats < 1 or not a.batches or min(a.batches) < 1:
         p.error("need --steps >= 2, --prompt-len >= 1, --repeats >= 1 and batches >= 1")
     return a
@@ -120,7 +126,8 @@ def run_hf(model, ids: torch.Tensor, n: int, device: str) -> tuple[tuple[float, 
 
 
 def bench_decode(station: Station, hf_model, args: argparse.Namespace) -> dict[str, object]:
-    """Decode tok/s (median and best of repeats, and per CPU second) for ours at every batch, HF at 1 and 16.
+    """Decode tok/s (median and best of repeats, and per CPU second) for ours at every batch, HF at those of
+    --hf-batches (1 and 16 by default).
 
     Repeats are the outer loop and ours/HF alternate inside it, so on a shared, noisy machine both sides
     see the same load. HF decode seconds = t(generate N) - t(generate 1).
@@ -128,7 +135,7 @@ def bench_decode(station: Station, hf_model, args: argparse.Namespace) -> dict[s
     vocab, n, dev = station.config.vocab_size, args.steps, args.device
     warm = prompts(1, args.prompt_len, vocab)
     run_ours(station, warm, min(n, 4), dev)
-    hf_batches = [b for b in (1, 16) if b in args.batches] if hf_model is not None else []
+    hf_batches = [b for b in args.hf_batches if b in args.batches] if hf_model is not None else []
     if hf_batches:
         run_hf(hf_model, warm.to(dev), 2, dev)
     ours_t = {b: [] for b in args.batches}

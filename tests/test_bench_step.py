@@ -34,3 +34,16 @@ def test_bench_step_profile_splits_the_decode_step(tiny_llama):
         assert ms["linears"] > 0 and ms["attention"] > 0 and ms["sampling"] > 0
         # the timed calls lie inside the step, which also runs norms, RoPE and the embedding outside them
         assert ms["linears"] + ms["attention"] + ms["sampling"] < ms["step"] and ms["other"] > 0
+
+
+def test_bench_step_times_hf_at_the_batches_asked(tiny_llama):
+    """`--hf-batches 4` times HF at batch 4 alone (the default would be 1 and 16), so ours has its peer in the same
+    run at any batch; a malformed list is refused by name."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_llama), "--quick", "--hf-batches", "4"],
+                          check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(figures["hf_tok_s"]) == {"4"} and set(figures["ours_tok_s"]) == {"1", "4"}
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_llama), "--quick", "--hf-batches", "x"],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--hf-batches" in bad.stderr
