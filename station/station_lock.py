@@ -63,14 +63,16 @@ class StationLock:
     def release(self, seq_ids: Sequence[int], queue_if_busy: bool) -> tuple[int, pb.KVUsage | None]:
         """Free these sequences' KV: how many were resident and the KV occupancy after; with `queue_if_busy`, where
         a call holds the lock, the release is queued for that call to apply before it lets go: (0, None)."""
+        def free() -> int:
+            return self._station.release(list(seq_ids))
         if not queue_if_busy:
-            return self.run(lambda: self._station.release(list(seq_ids)))
+            return self.run(free)
         with self._queue_lock:
             if not self._lock.acquire(blocking=False):
                 self._queued.extend(seq_ids)
                 self.queued_releases += 1
                 return 0, None
-        return self._under_lock(lambda: self._station.release(list(seq_ids)))
+        return self._under_lock(free)
 
     def hold_within(self, timeout: float, fn: Callable[[], object]) -> bool:
         """fn() holding the lock, waiting at most `timeout` s for it: False where it stayed held (fn's errors
