@@ -305,6 +305,33 @@ def test_all_finite_on_every_float_width() -> None:
     assert not wire_tensor.all_finite(torch.tensor([1.0, float("-inf")], dtype=torch.float16))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_all_finite_agrees_with_torch_on_every_16_bit_pattern(dtype) -> None:
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)  # all 65536 patterns
+    finite = torch.isfinite(every.float()).tolist()
+    assert sum(not f for f in finite) == (256 if dtype == torch.bfloat16 else 2048)  # +-inf and every NaN
+    rows = torch.full((3, 8), 1.5, dtype=dtype)
+    for i, want in enumerate(finite):
+        rows[1, 5] = every[i]  # one pattern among finite rows
+        assert wire_tensor.all_finite(rows) is want, (dtype, hex(i - (1 << 15) & 0xFFFF))
+
+
+@pytest.mark.parametrize("bits_dtype,dtype,patterns", [
+    (torch.int32, torch.float32, {0x7F7FFFFF: True, 0x7F800000: False, 0x7F800001: False, 0x7FFFFFFF: False,
+                                  0xFF7FFFFF: True, 0xFF800000: False, 0xFF800001: False, 0xFFFFFFFF: False,
+                                  0x80000000: True, 0x00000001: True, 0x80000001: True}),
+    (torch.int64, torch.float64, {0x7FEFFFFFFFFFFFFF: True, 0x7FF0000000000000: False, 0x7FFFFFFFFFFFFFFF: False,
+                                  0xFFEFFFFFFFFFFFFF: True, 0xFFF0000000000000: False, 0xFFFFFFFFFFFFFFFF: False,
+                                  0xFFF8000000000000: False, 0x8000000000000000: True})])
+def test_all_finite_at_the_edges_of_the_wider_floats(bits_dtype, dtype, patterns) -> None:
+    width = torch.iinfo(bits_dtype).bits
+    for pattern, want in patterns.items():
+        signed = pattern - (1 << width) if pattern >> (width - 1) else pattern
+        rows = torch.full((2, 4), -2.0, dtype=dtype)
+        rows.view(bits_dtype)[1, 2] = signed
+        assert wire_tensor.all_finite(rows) is want, hex(pattern)
+
+
 def test_entries_sharing_sampling_values_share_one_object_and_others_keep_theirs() -> None:
     greedy, hot = SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9, seed=3)
     sent = tuple(WaveEntry(i, 4, 1, greedy if i % 2 else hot) for i in range(6))

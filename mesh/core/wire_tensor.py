@@ -123,11 +123,14 @@ _EXPONENT_BITS = {  # float dtype -> (the integer dtype of its width, numpy's un
 def all_finite(t: torch.Tensor) -> bool:
     """True when no element of the CPU tensor `t` is NaN or infinite (an integer tensor always is finite).
 
-    An IEEE float is NaN or infinite exactly when all its exponent bits are set, so this masks the bits with
-    numpy: one thread, ~0.1 ms for a 1 MiB wave. torch.isfinite took 2-3 ms on one thread, and tens of ms when
-    its OpenMP team met a busy core, on every hop of every wave."""
+    An IEEE float is NaN or infinite exactly when all its exponent bits are set: with the sign bit clear, its bits
+    read as a signed integer are then the largest there are (at least the exponent mask); with it set, read as an
+    unsigned integer, likewise (at least sign | mask). So two max reductions over the bits decide it, with no
+    temporary array: ~0.03 ms for a 1 MiB wave on one thread, against ~0.07 ms for masking the bits first and 2-3
+    ms for torch.isfinite (tens of ms when its OpenMP team met a busy core), on every hop of every wave."""
     if not t.is_floating_point() or t.numel() == 0:
         return True
     signed, unsigned, mask = _EXPONENT_BITS[t.dtype]
-    bits = t.contiguous().view(signed).numpy().view(unsigned)
-    return int((bits & unsigned(mask)).max()) != mask
+    bits = t.contiguous().view(signed).numpy()
+    sign = 1 << (8 * bits.itemsize - 1)
+    return int(bits.max()) < mask and int(bits.view(unsigned).max()) < sign | mask
