@@ -67,7 +67,6 @@ INLINE vec in_register(vec v) {
  * bench/out/linear_stream_s30_spread.txt); 3-8 rows (one requesting tile) 1.00-1.04x so, kept as they were
  * (linear_stream_s30_experiments.txt). SPREAD_ROWS 0: never (the other builds, not measured so: unchanged code). */
 #if defined(__AVX512F__) && defined(WAVEMESH_PREFETCH_T0)
-#define FEW_ROWS_AHEAD 16
 #define MID_ROWS_PREFETCH 16
 #define MID_ROWS_AHEAD 0
 #define NEXT_BLOCK_HINT _MM_HINT_T1
@@ -75,11 +74,18 @@ INLINE vec in_register(vec v) {
  * session 42 VM, 2 MiB of L2 a core) the spread requests pay from 3 rows: a bench-preset decode step at batch 3 / 4
  * / 6 / 8 takes 0.94-0.96 / 0.87-0.89 / 0.84-0.88 / 0.88-0.91x the time (two runs of 12 alternated pairs, every pair
  * faster), SmolLM2's 0.92x at 4 and 8 (16 of 16), batch 1 and 12-16 unchanged, tokens equal
- * (bench/out/kernel_spread_s42.txt). Session 30's Intel type (no AMX) found 3-8 rows 1.00-1.04x so, and keeps 9. */
+ * (bench/out/kernel_spread_s42.txt). Session 30's Intel type (no AMX) found 3-8 rows 1.00-1.04x so, and keeps 9.
+ * There one or two rows also request 32 k (8 KiB) ahead rather than 16: a decode step at batch 1 / 2 takes
+ * 0.936-0.943 / 0.946-0.956x the time, at two threads and at one, SmolLM2 and the bench preset (every one of 88
+ * alternated pairs faster; batch 4 unchanged), 64 k ahead about the same, 128 k 1.03-1.05x (session 43,
+ * bench/out/kernel_few_rows_s43.txt); a pure two-thread read of 540 MB there makes 26.9 GB/s with no requests and
+ * 23.4 GB/s requesting 4 KiB ahead into L1, as 16 k did. */
 #if defined(WAVEMESH_SPREAD_FROM_3)
 #define SPREAD_ROWS 3
+#define FEW_ROWS_AHEAD 32
 #else
 #define SPREAD_ROWS 9
+#define FEW_ROWS_AHEAD 16
 #endif
 #define SPREAD_HINT _MM_HINT_T1
 #elif defined(__AVX512F__) && defined(WAVEMESH_SPREAD_L2)
