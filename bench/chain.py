@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from call_shape import add_call_shape_args  # bench/ is on sys.path when a bench script runs
+from call_shape import add_call_shape_args, min_tokens_problem, mixed_lengths  # bench/ is on sys.path
 from metered_link import MeteredLink
 
 from mesh.control.cli import resolve_model
@@ -93,8 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--configs: expected inproc and/or station counts >= 1, got {bad or 'nothing'}")
     if not a.concurrency or min(a.concurrency + [a.prompt, a.tokens, a.max_seqs, a.repeats]) < 1:
         p.error("concurrency, --prompt, --tokens, --max-seqs and --repeats must be >= 1")
-    if a.min_tokens is not None and not 1 <= a.min_tokens <= a.tokens:
-        p.error(f"--min-tokens: must be in [1, --tokens ({a.tokens})], got {a.min_tokens}")
+    if (problem := min_tokens_problem(a.min_tokens, a.tokens)) is not None:
+        p.error(problem)
     return a
 
 
@@ -115,10 +115,7 @@ def jobs(k: int, prompt: int, vocab: int) -> list[list[int]]:
 
 def lengths(k: int, tokens: int, min_tokens: int | None) -> list[int]:
     """K requests' max_tokens: all `tokens`, or (min_tokens given) each drawn from [min_tokens, tokens], seeded by K."""
-    if min_tokens is None:
-        return [tokens] * k
-    rng = random.Random(2000 + k)
-    return [rng.randint(min_tokens, tokens) for _ in range(k)]
+    return [tokens] * k if min_tokens is None else mixed_lengths(k, tokens, min_tokens, seed=2000 + k)
 
 
 def run_point(engine: Engine, links: list[MeteredLink], prompts: list[list[int]], tokens: list[int]) -> dict:

@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from call_shape import min_tokens_problem  # bench/ is on sys.path when a bench script runs
+
 CHAIN = Path(__file__).resolve().parent / "chain.py"
 TARGET = 1.6  # issue 13: two 1-core stations reach at least 1.6x one
 
@@ -48,8 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(a, name, quick if a.quick else full)
         if getattr(a, name) < 1:
             p.error(f"--{name}: must be >= 1, got {getattr(a, name)}")
-    if a.min_tokens is not None and not 1 <= a.min_tokens <= a.tokens:
-        p.error(f"--min-tokens: must be in [1, --tokens ({a.tokens})], got {a.min_tokens}")
+    if (problem := min_tokens_problem(a.min_tokens, a.tokens)) is not None:
+        p.error(problem)
     if a.max_wave_tokens is not None and a.max_wave_tokens < a.concurrency:
         p.error(f"--max-wave-tokens: must be >= --concurrency ({a.concurrency}), got {a.max_wave_tokens}")
     return a

@@ -37,11 +37,10 @@ import argparse
 import hashlib
 import json
 import os
-import random
 import sys
 import tempfile
 
-from call_shape import add_call_shape_args
+from call_shape import add_call_shape_args, min_tokens_problem, mixed_lengths
 from scale_figures import even_split, merge_rounds, scaling_verdict, sim_limit
 from scale_points import TOKEN, log, relay_flags, run_point, start_stations, stop_stations  # noqa: F401 (TOKEN: tests)
 from sim_station import SimModel
@@ -61,8 +60,7 @@ def sim_lengths(args, n: int) -> int | list[int]:
     the first K*P' of the same list for a smaller P' (so every P serves requests of the same spread)."""
     if args.min_tokens is None:
         return args.tokens
-    rng = random.Random(3000)
-    return [rng.randint(args.min_tokens, args.tokens) for _ in range(max(args.stations) * args.k)][:n]
+    return mixed_lengths(max(args.stations) * args.k, args.tokens, args.min_tokens, seed=3000)[:n]
 
 
 def simulated(args) -> list[dict]:
@@ -187,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.quick:
         args.stations, args.k, args.hidden, args.tokens, args.real_k = [1, 2], 8, 256, 4, [4]
-    if args.min_tokens is not None and not 1 <= args.min_tokens <= args.tokens:
-        p.error(f"--min-tokens: must be in [1, --tokens ({args.tokens})], got {args.min_tokens}")
+    if (problem := min_tokens_problem(args.min_tokens, args.tokens)) is not None:
+        p.error(problem)
     print(f"command: mesh bench scale {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"load at start: {os.getloadavg()}  cores: {os.cpu_count()}")
     sim_rows = [] if args.skip_sim else simulated(args)
