@@ -33,7 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import grpc
@@ -61,6 +61,19 @@ class RelayError(RuntimeError):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+def onward_request(request: pb.ForwardRequest) -> pb.ForwardRequest:
+    """What a relaying station sends its successor for `request` (one decode step or a prompt wave through a
+    chain): its wave id and entries, and the relay list less the successor's own address; the rows go beside it.
+    A copy of the whole message in one call, then the rest cleared: 0.010 against 0.035 ms for 64 entries built
+    field by field."""
+    onward = pb.ForwardRequest()
+    onward.CopyFrom(request)
+    for name in ("token_ids", "hidden", "steps", "reply_steps"):
+        onward.ClearField(name)
+    del onward.relay_to[0]
+    return onward
 
 
 class Successors:
@@ -164,19 +177,18 @@ class Successors:
         except ValueError as err:  # the channel was closed under us (evicted)
             raise RelayError(grpc.StatusCode.UNAVAILABLE, f"relay to {address}: {err}") from None
 
-    def announce(self, wave_id: int, entries: Sequence[pb.Entry], relay_to: tuple[str, ...],
-                 time_left_s: float | None) -> Announced | None:
-        """Send relay_to[0] the wave's onward request before this station computes its rows, where its relay link
-        takes announcements (station.relay_link): it decodes the entries meanwhile. None where it does not, or the
-        announcement could not be sent (`relay` then makes the whole call and reports any failure)."""
-        successor = relay_to[0]
+    def announce(self, onward: pb.ForwardRequest, successor: str, time_left_s: float | None) -> Announced | None:
+        """Send `successor` the wave's `onward` request (`onward_request`) before this station computes its rows,
+        where its relay link takes announcements (station.relay_link): it decodes the entries meanwhile. None where
+        it does not, or the announcement could not be sent (`relay` then makes the whole call and reports any
+        failure)."""
         timeout = self._timeout(time_left_s)
 
         def send() -> Announced | None:
             link = self._link(successor, timeout)
-            if link is None:  # a gRPC successor: no onward request to build twice
+            if link is None:  # a gRPC successor: the whole request goes with the rows
                 return None
-            return link.announce(pb.ForwardRequest(wave_id=wave_id, entries=entries, relay_to=relay_to[1:]), timeout)
+            return link.announce(onward, timeout)
         try:
             return self._relayed(successor, send)
         except RelayError:
@@ -196,25 +208,22 @@ class Successors:
     def _timeout(self, time_left_s: float | None) -> float:
         return self._default_timeout_s if time_left_s is None else max(0.0, time_left_s)
 
-    def relay(self, wave_id: int, entries: Sequence[pb.Entry], relay_to: tuple[str, ...], out: StationOutput,
-              kv: pb.KVUsage, time_left_s: float | None, announcement: Announced | None = None
-              ) -> pb.ForwardReply:
-        """Send `out.hidden` for the wave's `entries` to relay_to[0] (with the rest of the list) within
-        `time_left_s` (None: the caller set no deadline, use the default), and build this station's reply from
-        the answer. `announcement`: the request was announced to relay_to[0] (`announce`): only the rows go now."""
+    def relay(self, onward: pb.ForwardRequest, successor: str, out: StationOutput, kv: pb.KVUsage,
+              time_left_s: float | None, announcement: Announced | None = None) -> pb.ForwardReply:
+        """Send `out.hidden` with the wave's `onward` request (`onward_request`) to `successor` within `time_left_s`
+        (None: the caller set no deadline, use the default), and build this station's reply from the answer.
+        `announcement`: the request was announced to `successor` (`announce`): only the rows go now."""
         if out.hidden is None:
             if announcement is not None:
                 announcement.client.abandon(announcement)
             raise RelayError(grpc.StatusCode.INVALID_ARGUMENT,
                              "relay_to: this station samples (it holds the last layer); there is nothing to relay")
-        successor = relay_to[0]
         t0 = time.perf_counter()
         if announcement is not None:
             sent, hidden = announcement, out.hidden
             answer = self._relayed(successor, lambda: sent.client.complete(sent, tensor_header(hidden),
                                                                            tensor_bytes(hidden)))
         else:
-            onward = pb.ForwardRequest(wave_id=wave_id, entries=entries, relay_to=relay_to[1:])
             answer = self._call(successor, onward, out.hidden, self._timeout(time_left_s))
         hop = pb.RelayHop(address=successor, kv=answer.kv, forward_seconds=answer.forward_seconds,
                           served_seconds=answer.served_seconds, call_seconds=time.perf_counter() - t0)
@@ -254,10 +263,11 @@ class Successors:
             if k and ended():
                 return
             step = decode_step_entries(entries, k, block_tokens)
-            onward = entries_to_proto(step)
-            announcement = self.announce(wave_id, onward, relay_to, time_left_s())
+            onward = pb.ForwardRequest(wave_id=wave_id, relay_to=relay_to[1:])
+            entries_to_proto(step, into=onward.entries)
+            announcement = self.announce(onward, relay_to[0], time_left_s())
             out, kv = self.unless_failed(announcement, lambda: run_step(step, token_ids))
-            answer = self.relay(wave_id, onward, relay_to, out, kv, time_left_s(), announcement)
+            answer = self.relay(onward, relay_to[0], out, kv, time_left_s(), announcement)
             if not answer.HasField("samples"):
                 raise RelayError(grpc.StatusCode.INTERNAL, f"relay to {relay_to[0]}: step {k} came back without "
                                  "samples (several decode steps need the chain to reach the last station)")

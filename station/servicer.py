@@ -34,7 +34,7 @@ from mesh.core.wire_tensor import WireError, tensor_to_proto
 from mesh.core.wire_kv import decode_export, decode_import
 from station.interceptors import WireBytes
 from station.kv import KVBudgetError
-from station.relay import RelayError, Successors
+from station.relay import RelayError, Successors, onward_request
 from station.server_limits import ServerLimits
 from station.station_lock import StationBusy, StationLock
 from station.step import Station, StepError
@@ -174,11 +174,11 @@ class StationServicer(station_pb2_grpc.StationServicer):
         def step() -> tuple[StationOutput, pb.KVUsage]:
             return self.lock.run(lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps))
         if relay_to:  # the successor decodes the onward request while this station computes the rows
-            announced = self.successors.announce(request.wave_id, request.entries, relay_to, time_remaining())
+            onward = onward_request(request)
+            announced = self.successors.announce(onward, relay_to[0], time_remaining())
             out, kv = self.successors.unless_failed(announced, step)
             # outside the station lock: the next wave computes while the successors run this one
-            return self.successors.relay(request.wave_id, request.entries, relay_to, out, kv, time_remaining(),
-                                         announced)
+            return self.successors.relay(onward, relay_to[0], out, kv, time_remaining(), announced)
         out, kv = step()
         if out.hidden is not None:
             reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv)
