@@ -42,7 +42,7 @@ import torch
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.transport import StationTls, address_host, bearer_metadata
 from mesh.core.wave import StationOutput, WaveEntry, decode_step_entries, decode_steps_problem
-from mesh.core.wire import entries_to_proto, proto_to_samples
+from mesh.core.wire import entries_to_proto, sampled_token_ids
 from mesh.core.wire_tensor import WireError, tensor_bytes, tensor_header, tensor_to_proto
 from station.client import station_channel
 from station.interceptors import FORWARD_METHOD, INFO_METHOD, WireBytes
@@ -271,8 +271,8 @@ class Successors:
             if not answer.HasField("samples"):
                 raise RelayError(grpc.StatusCode.INTERNAL, f"relay to {relay_to[0]}: step {k} came back without "
                                  "samples (several decode steps need the chain to reach the last station)")
-            samples = proto_to_samples(answer.samples, n_entries=len(entries), vocab_size=vocab_size)
-            token_ids = torch.tensor([t.token_id for t in samples], dtype=torch.long)  # [K]
+            ids = sampled_token_ids(answer.samples, n_entries=len(entries), vocab_size=vocab_size)
+            token_ids = torch.tensor(ids, dtype=torch.long)  # [K]
             yield answer
 
     def close(self) -> None:

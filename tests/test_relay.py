@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import grpc
 import pytest
+import torch
 
 from mesh.core.config import ConfigError, ModelConfig, SchedulerConfig, StationSpec
 from mesh.core.params import SamplingParams
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.transport import StationTls
 from mesh.core.wave import WaveEntry
-from mesh.core.wire import WireError, decode_relay
+from mesh.core.wire import WireError, decode_relay, encode_forward
 from orchestrator.engine import Engine
 from orchestrator.pipeline import StationDown
 from orchestrator.relay import RelayPipeline
@@ -342,3 +343,16 @@ def test_relay_list_and_config_are_validated():
     assert decode_relay(pb.ForwardRequest(relay_to=["[::1]:7", "a.b:8"])) == ("[::1]:7", "a.b:8")
     with pytest.raises(ConfigError, match="scheduler.hidden_path must be one of"):
         SchedulerConfig(hidden_path="sideways")
+
+
+def test_onward_request_drops_this_station_and_the_payload() -> None:
+    from station.relay import onward_request
+
+    entries = (WaveEntry(3, 7, 1, SamplingParams(max_tokens=1)), WaveEntry(4, 2, 2))
+    request = encode_forward(9, entries, None, torch.ones(3, 4), relay_to=["b:2", "c:3", "d:4"])
+    request.reply_steps = 1
+    onward = onward_request(request)
+    assert onward.wave_id == 9 and list(onward.relay_to) == ["c:3", "d:4"] and onward.entries == request.entries
+    assert onward.WhichOneof("payload") is None and onward.steps == 0 and onward.reply_steps == 0
+    assert list(request.relay_to) == ["b:2", "c:3", "d:4"] and request.HasField("hidden")  # the request untouched
+    assert onward == pb.ForwardRequest(wave_id=9, entries=request.entries, relay_to=["c:3", "d:4"])

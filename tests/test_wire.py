@@ -340,6 +340,54 @@ def test_entries_sharing_sampling_values_share_one_object_and_others_keep_theirs
     assert got[1].sample is got[3].sample and got[0].sample is got[2].sample and got[0].sample is not got[1].sample
 
 
+def test_decoded_entries_are_the_checked_kind_and_stay_frozen() -> None:
+    sent = _entries()
+    for got, want in zip(wire.proto_to_entries(wire.entries_to_proto(sent)), sent):
+        assert type(got) is WaveEntry and got == want and hash(got) == hash(want) and got.end_pos == want.end_pos
+        with pytest.raises(AttributeError):  # dataclasses.FrozenInstanceError
+            got.start_pos = 99  # type: ignore[misc]
+
+
+def test_entries_encoded_into_a_request_match_the_list() -> None:
+    req = pb.ForwardRequest(wave_id=5)
+    assert wire.entries_to_proto(_entries(), into=req.entries) is req.entries
+    assert list(req.entries) == wire.entries_to_proto(_entries())
+    with _raises("entries[1]"):
+        wire.entries_to_proto([WaveEntry(1, 0, 1), WaveEntry(2, 2**32, 1)], into=pb.ForwardRequest().entries)
+
+
+def test_decoded_samplings_are_kept_across_waves_and_bounded() -> None:
+    hot = SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9, seed=11)
+    first = wire.proto_to_entries(wire.entries_to_proto([WaveEntry(1, 0, 1, hot)]))[0].sample
+    again = wire.proto_to_entries(wire.entries_to_proto([WaveEntry(2, 5, 1, hot)]))[0].sample
+    assert first == again and first is again  # the second wave did not decode it again
+    msgs = wire.entries_to_proto([WaveEntry(1, 0, 1, hot)])
+    msgs[0].sample.top_p = 1.5  # a bad value is refused every time, never kept
+    for _ in range(2):
+        with _raises("entries[0].sample.top_p"):
+            wire.proto_to_entries(msgs)
+    for seed in range(3 * wire._SAMPLINGS_KEPT):
+        sp = SamplingParams(max_tokens=1, temperature=0.5, seed=seed)
+        assert wire.proto_to_entries(wire.entries_to_proto([WaveEntry(1, 0, 1, sp)]))[0].sample == \
+            SamplingParams(max_tokens=1, temperature=0.5, seed=seed)
+        assert len(wire._samplings) <= wire._SAMPLINGS_KEPT
+
+
+def test_sampled_token_ids_checks_what_the_next_step_feeds() -> None:
+    msg = wire.samples_to_proto([SampledToken(5), SampledToken(0, -0.5), SampledToken(99)])
+    assert wire.sampled_token_ids(msg, n_entries=3, vocab_size=100) == [5, 0, 99]
+    with pytest.raises(WireError, match="expected 4"):
+        wire.sampled_token_ids(msg, n_entries=4, vocab_size=100)
+    with pytest.raises(WireError, match="token id 99 is outside the vocabulary"):
+        wire.sampled_token_ids(msg, n_entries=3, vocab_size=99)
+    msg.samples[1].token_id = -3
+    with pytest.raises(WireError, match="token id -3 is outside the vocabulary"):
+        wire.sampled_token_ids(msg, n_entries=3, vocab_size=100)
+    absent = wire.samples_to_proto([SampledToken(5), None])
+    with pytest.raises(WireError, match="without a token"):
+        wire.sampled_token_ids(absent, n_entries=2, vocab_size=100)
+
+
 # ---- no object deserialization ----------------------------------------------------------------
 
 def test_wire_never_unpickles(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -60,13 +60,28 @@ def entries_to_proto(entries: Sequence[WaveEntry], into=None) -> list[pb.Entry]:
     return out
 
 
+_SAMPLINGS_KEPT = 256  # decoded samplings kept across waves (a serving mesh has few distinct ones at a time)
+_samplings: dict[bytes, SamplingParams] = {}  # by the Sampling message's bytes: one validated object for each
+
+
+def _sampling_of(s: pb.Sampling, key: bytes) -> SamplingParams:
+    """The SamplingParams of the Sampling message `s` whose bytes are `key`, decoded and checked once and kept;
+    ParamError where its values are not valid."""
+    if (params := _samplings.get(key)) is None:
+        params = SamplingParams(max_tokens=1, temperature=_from_f32(s.temperature), top_p=_from_f32(s.top_p),
+                                top_k=s.top_k, seed=s.seed, logprobs=s.logprobs)
+        if len(_samplings) >= _SAMPLINGS_KEPT:
+            _samplings.clear()  # cheaper than an LRU, and rare
+        _samplings[key] = params
+    return params
+
+
 def proto_to_entries(msgs: Iterable[pb.Entry]) -> tuple[WaveEntry, ...]:
     """Decode and validate a wave's entries: n_tokens >= 1, sampling values valid, seq_ids unique. Every station
     does this for every wave, 64 entries a step in a busy chain: written for speed (0.085 against 0.155 ms at rest
     for 64 decode entries), the entries built unchecked where the wire's unsigned fields already bound them."""
     out: list[WaveEntry] = []
     first_index: dict[int, int] = {}
-    params: dict[bytes, SamplingParams] = {}  # one validated object per distinct sampling (frozen: shared)
     for i, m in enumerate(msgs):
         n, seq = m.n_tokens, m.seq_id
         if n < 1:
@@ -78,15 +93,10 @@ def proto_to_entries(msgs: Iterable[pb.Entry]) -> tuple[WaveEntry, ...]:
         sample = None
         if m.HasField("sample"):
             s = m.sample
-            key = s.SerializeToString()  # equal bytes, equal fields (unequal bytes at worst a second equal object)
-            sample = params.get(key)
-            if sample is None:
-                try:
-                    sample = params[key] = SamplingParams(max_tokens=1, temperature=_from_f32(s.temperature),
-                                                          top_p=_from_f32(s.top_p), top_k=s.top_k, seed=s.seed,
-                                                          logprobs=s.logprobs)
-                except ParamError as err:
-                    raise WireError(f"entries[{i}].sample.{err}") from err
+            try:  # equal bytes, equal fields (unequal bytes at worst a second equal object)
+                sample = _sampling_of(s, s.SerializeToString())
+            except ParamError as err:
+                raise WireError(f"entries[{i}].sample.{err}") from err
         # uint64 / uint32 fields: the ids and positions are non-negative ints, n_tokens checked above
         out.append(entry_unchecked(seq, m.start_pos, n, sample, tuple(m.blocks[:])))
     return tuple(out)
@@ -108,6 +118,21 @@ def samples_to_proto(samples: Sequence[SampledToken | None]) -> pb.Samples:
         except (ValueError, TypeError) as err:
             raise WireError(f"samples[{i}]: {err}") from err
     return out
+
+
+def sampled_token_ids(msg: pb.Samples, *, n_entries: int, vocab_size: int) -> list[int]:
+    """The token ids of one step's samples, every entry having sampled, each within the vocabulary: what the first
+    station of a chain feeds into its next step (the orchestrator decodes and checks the whole samples, logprobs
+    included, from the call's reply); 0.02 against 0.07 ms for 64 entries with `proto_to_samples`."""
+    ids = [s.token_id for s in msg.samples]
+    if len(ids) != n_entries:
+        raise WireError(f"samples: expected {n_entries} (one per entry), got {len(ids)}")
+    if not all(s.present for s in msg.samples):
+        raise WireError("samples: an entry of a several-step decode wave came back without a token")
+    if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise WireError(f"samples: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return ids
 
 
 def proto_to_samples(msg: pb.Samples, *, n_entries: int | None = None,
