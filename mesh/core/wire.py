@@ -93,10 +93,12 @@ def proto_to_entries(msgs: Iterable[pb.Entry]) -> tuple[WaveEntry, ...]:
         sample = None
         if m.HasField("sample"):
             s = m.sample
-            try:  # equal bytes, equal fields (unequal bytes at worst a second equal object)
-                sample = _sampling_of(s, s.SerializeToString())
-            except ParamError as err:
-                raise WireError(f"entries[{i}].sample.{err}") from err
+            key = s.SerializeToString()  # equal bytes, equal fields (unequal bytes at worst a second equal object)
+            if (sample := _samplings.get(key)) is None:
+                try:
+                    sample = _sampling_of(s, key)
+                except ParamError as err:
+                    raise WireError(f"entries[{i}].sample.{err}") from err
         # uint64 / uint32 fields: the ids and positions are non-negative ints, n_tokens checked above
         out.append(entry_unchecked(seq, m.start_pos, n, sample, tuple(m.blocks[:])))
     return tuple(out)
