@@ -78,8 +78,8 @@ def _sampling_of(s: pb.Sampling, key: bytes) -> SamplingParams:
 
 def proto_to_entries(msgs: Iterable[pb.Entry]) -> tuple[WaveEntry, ...]:
     """Decode and validate a wave's entries: n_tokens >= 1, sampling values valid, seq_ids unique. Every station
-    does this for every wave, 64 entries a step in a busy chain: written for speed (0.085 against 0.155 ms at rest
-    for 64 decode entries), the entries built unchecked where the wire's unsigned fields already bound them."""
+    does this for every wave, 64 entries a step in a busy chain: written for speed (0.094-0.099 against 0.149-0.153 ms
+    at rest for 64 decode entries), the entries built unchecked where the wire's unsigned fields already bound them."""
     out: list[WaveEntry] = []
     first_index: dict[int, int] = {}
     for i, m in enumerate(msgs):
@@ -125,7 +125,8 @@ def samples_to_proto(samples: Sequence[SampledToken | None]) -> pb.Samples:
 def sampled_token_ids(msg: pb.Samples, *, n_entries: int, vocab_size: int) -> list[int]:
     """The token ids of one step's samples, every entry having sampled, each within the vocabulary: what the first
     station of a chain feeds into its next step (the orchestrator decodes and checks the whole samples, logprobs
-    included, from the call's reply); 0.02 against 0.07 ms for 64 entries with `proto_to_samples`."""
+    included, from the call's reply): 0.026 against 0.086 ms with `proto_to_samples` for 64 entries, the token tensor
+    made from them included."""
     ids = [s.token_id for s in msg.samples]
     if len(ids) != n_entries:
         raise WireError(f"samples: expected {n_entries} (one per entry), got {len(ids)}")
