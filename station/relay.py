@@ -70,7 +70,7 @@ def onward_request(request: pb.ForwardRequest) -> pb.ForwardRequest:
     field by field."""
     onward = pb.ForwardRequest()
     onward.CopyFrom(request)
-    for name in ("token_ids", "hidden", "steps", "reply_steps"):
+    for name in ("payload", "steps", "reply_steps"):
         onward.ClearField(name)
     del onward.relay_to[0]
     return onward

@@ -19,6 +19,7 @@ from orchestrator.relay import RelayPipeline
 from orchestrator.remote import RemoteLink
 from station.client import StationCallError, StationClient
 from station.generate import generate_one
+from station.relay import onward_request
 from station.server import start_server
 from station.step import Station
 
@@ -346,8 +347,6 @@ def test_relay_list_and_config_are_validated():
 
 
 def test_onward_request_drops_this_station_and_the_payload() -> None:
-    from station.relay import onward_request
-
     entries = (WaveEntry(3, 7, 1, SamplingParams(max_tokens=1)), WaveEntry(4, 2, 2))
     request = encode_forward(9, entries, None, torch.ones(3, 4), relay_to=["b:2", "c:3", "d:4"])
     request.reply_steps = 1

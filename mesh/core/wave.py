@@ -42,9 +42,10 @@ class WaveEntry:
 
 
 _new_object = object.__new__
-_SET_SEQ, _SET_START, _SET_N, _SET_SAMPLE, _SET_BLOCKS = (getattr(WaveEntry, f.name).__set__ for f in fields(WaveEntry))
-assert [f.name for f in fields(WaveEntry)] == ["seq_id", "start_pos", "n_tokens", "sample", "blocks"], \
-    "entry_unchecked sets WaveEntry's fields by position: a field added must be set there too"
+_ENTRY_FIELDS = ("seq_id", "start_pos", "n_tokens", "sample", "blocks")
+if {f.name for f in fields(WaveEntry)} != set(_ENTRY_FIELDS):
+    raise TypeError("entry_unchecked sets WaveEntry's fields by name: a field added must be set there too")
+_SET_SEQ, _SET_START, _SET_N, _SET_SAMPLE, _SET_BLOCKS = (getattr(WaveEntry, name).__set__ for name in _ENTRY_FIELDS)
 
 
 def entry_unchecked(seq_id: int, start_pos: int, n_tokens: int, sample: SamplingParams | None,

@@ -40,9 +40,9 @@ def _sampling_to_proto(s: SamplingParams) -> pb.Sampling:
                        seed=s.seed, logprobs=s.logprobs)
 
 
-def entries_to_proto(entries: Sequence[WaveEntry], into=None) -> list[pb.Entry]:
-    """Encode a wave's entries (into the repeated field `into`, e.g. a request's `entries`, where given: no copy of
-    them into the request after); only the per-step sampling fields of SamplingParams travel."""
+def entries_to_proto(entries: Sequence[WaveEntry], into=None) -> Sequence[pb.Entry]:
+    """Encode a wave's entries as a list, or into the repeated field `into` (e.g. a request's `entries`: no copy of
+    them into the request after), which is returned; only the per-step sampling fields of SamplingParams travel."""
     out = [] if into is None else into
     add = out.add if into is not None else (lambda **fields: out.append(pb.Entry(**fields)))
     sampling: dict[int, pb.Sampling] = {}  # one message per distinct SamplingParams object (a wave shares few)
@@ -64,15 +64,14 @@ _SAMPLINGS_KEPT = 256  # decoded samplings kept across waves (a serving mesh has
 _samplings: dict[bytes, SamplingParams] = {}  # by the Sampling message's bytes: one validated object for each
 
 
-def _sampling_of(s: pb.Sampling, key: bytes) -> SamplingParams:
-    """The SamplingParams of the Sampling message `s` whose bytes are `key`, decoded and checked once and kept;
-    ParamError where its values are not valid."""
-    if (params := _samplings.get(key)) is None:
-        params = SamplingParams(max_tokens=1, temperature=_from_f32(s.temperature), top_p=_from_f32(s.top_p),
-                                top_k=s.top_k, seed=s.seed, logprobs=s.logprobs)
-        if len(_samplings) >= _SAMPLINGS_KEPT:
-            _samplings.clear()  # cheaper than an LRU, and rare
-        _samplings[key] = params
+def _keep_sampling(s: pb.Sampling, key: bytes) -> SamplingParams:
+    """The SamplingParams of the Sampling message `s` (not yet kept), whose bytes are `key`: decoded, checked and
+    kept; ParamError where its values are not valid (nothing kept)."""
+    params = SamplingParams(max_tokens=1, temperature=_from_f32(s.temperature), top_p=_from_f32(s.top_p),
+                            top_k=s.top_k, seed=s.seed, logprobs=s.logprobs)
+    if len(_samplings) >= _SAMPLINGS_KEPT:
+        _samplings.clear()  # cheaper than an LRU, and rare
+    _samplings[key] = params
     return params
 
 
@@ -96,7 +95,7 @@ def proto_to_entries(msgs: Iterable[pb.Entry]) -> tuple[WaveEntry, ...]:
             key = s.SerializeToString()  # equal bytes, equal fields (unequal bytes at worst a second equal object)
             if (sample := _samplings.get(key)) is None:
                 try:
-                    sample = _sampling_of(s, key)
+                    sample = _keep_sampling(s, key)
                 except ParamError as err:
                     raise WireError(f"entries[{i}].sample.{err}") from err
         # uint64 / uint32 fields: the ids and positions are non-negative ints, n_tokens checked above
