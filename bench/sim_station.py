@@ -48,11 +48,14 @@ class ModelledWait:
         self._sleep = sleep
         self._clock = clock
 
-    def wait(self, seconds: float) -> float:
-        """Sleep about `seconds`; returns how long it took."""
+    def wait(self, seconds: float, work: Callable[[], object] | None = None) -> float:
+        """Sleep about `seconds`, counted from before `work()` (what the modelled device does meanwhile, run first);
+        returns how long it took."""
         start = self._clock()
+        if work is not None:
+            work()
         if seconds > 0:
-            self._sleep(max(0.0, seconds - self._early_s))
+            self._sleep(max(0.0, seconds - self._early_s - (self._clock() - start)))
         took = self._clock() - start
         if seconds > 0:
             self._early_s = min(self._max_early_s, max(0.0, self._early_s + self._gain * (took - seconds)))
@@ -117,34 +120,41 @@ class SimulatedStation:
         self._lock = threading.Lock()
         self._wait = ModelledWait()
 
-    def forward(self, entries: tuple[WaveEntry, ...], token_ids=None, hidden=None, steps: int = 1) -> StationOutput:
+    def forward(self, entries: tuple[WaveEntry, ...], token_ids=None, hidden=None, steps: int = 1,
+                rows_out: torch.Tensor | None = None) -> StationOutput:
         """Check positions, sleep the modelled step, return rows (or, at the last station, one id per entry);
-        `steps` decode steps (a station holding every layer) one after another, samples step-major."""
+        `steps` decode steps (a station holding every layer) one after another, samples step-major. `rows_out`:
+        where the rows go (the successor's shared memory), written within the modelled step, as a GPU's copy to a
+        pinned host segment lands while the device works (the copy's own ~40 us over PCIe is not modelled, as it
+        is not where the rows come back as a tensor)."""
         if steps == 1:
-            return self._step(entries)
+            return self._step(entries, rows_out)
         if self.spec.start != 0 or self.spec.end < self.sim.num_layers:
             raise StepError(f"steps: {steps} decode steps need a station holding every layer")
         outs = [self._step(tuple(replace(e, start_pos=e.start_pos + k) for e in entries)) for k in range(steps)]
         return StationOutput(None, [t for out in outs for t in out.samples], sum(out.seconds for out in outs))
 
-    def _step(self, entries: tuple[WaveEntry, ...]) -> StationOutput:
-        rows = wave_rows(entries)
+    def _step(self, entries: tuple[WaveEntry, ...], rows_out: torch.Tensor | None = None) -> StationOutput:
+        rows, last = wave_rows(entries), self.spec.end >= self.sim.num_layers
         for e in entries:
             held = self._lengths.get(e.seq_id, 0)
             if e.start_pos != held:
                 raise StepError(f"seq {e.seq_id}: start_pos {e.start_pos} but the station holds {held} positions")
+        if rows_out is not None and (last or tuple(rows_out.shape) != (rows, self.sim.hidden_size)
+                                     or rows_out.dtype != self._dtype):
+            raise StepError(f"rows_out: {list(rows_out.shape)} {rows_out.dtype} is not this step's rows")
+        if not last and self._rows.shape[0] < rows:
+            self._rows = torch.full((rows, self.sim.hidden_size), 0.5, dtype=self._dtype)
         seconds = self.sim.station_seconds(self.spec.end - self.spec.start, rows)
-        self._wait.wait(seconds)
+        self._wait.wait(seconds, None if rows_out is None else lambda: rows_out.copy_(self._rows[:rows]))
         for e in entries:
             self._lengths[e.seq_id] = e.start_pos + e.n_tokens
         self._changes += 1
         self._forwards += 1
         self._row_count += rows
         self._seconds += seconds
-        if self.spec.end < self.sim.num_layers:
-            if self._rows.shape[0] < rows:
-                self._rows = torch.full((rows, self.sim.hidden_size), 0.5, dtype=self._dtype)
-            return StationOutput(self._rows[:rows], None, seconds)  # [T, d]
+        if not last:
+            return StationOutput(self._rows[:rows] if rows_out is None else rows_out, None, seconds)  # [T, d]
         samples = [SampledToken((e.seq_id * 7919 + e.start_pos) % self.sim.vocab_size) if e.sample else None
                    for e in entries]
         return StationOutput(None, samples, seconds)

@@ -112,7 +112,8 @@ def read_frame(sock: socket.socket, max_body: int, deadline: float | None = None
     """(kind, status, seconds, body, rows or None) of the next frame, None at a clean end; LinkError for a frame
     not to be trusted (the connection cannot go on after it). `max_body` bounds the body and rows together.
     `rows_into`: the rows land in that buffer (a view of it returned, valid until its next frame); `segment`: the
-    connection's accepted shared-memory segment, where a REQUEST_SHM's or ROWS_SHM's rows are read from."""
+    connection's accepted shared-memory segment, where a REQUEST_SHM's or ROWS_SHM's rows are (a view of them
+    returned, valid until the connection answers them: station.link_shm)."""
     head = recv_exact(sock, HEADER.size, deadline)
     if head is None:
         return None
@@ -130,10 +131,10 @@ def read_frame(sock: socket.socket, max_body: int, deadline: float | None = None
                         "but this connection " + ("has no segment" if segment is None else
                                                   f"has a {segment.size}-byte segment"))
     body = recv_exact(sock, length, deadline) if length else bytearray()
-    into = rows_into.take(rows_length) if rows_into is not None and rows_length else None
-    if kind in IN_SEGMENT:  # the rows are in the segment, not in the stream
-        rows = segment.read_into(rows_length, into if into is not None else bytearray(rows_length))
+    if kind in IN_SEGMENT:  # the rows are in the segment, not in the stream: read where they lie
+        rows = segment.rows(rows_length)
     else:
+        into = rows_into.take(rows_length) if rows_into is not None and rows_length else None
         rows = recv_exact(sock, rows_length, deadline, into) if rows_length else None
     if body is None or (rows_length and rows is None):
         raise ConnectionError("the peer closed the connection inside a frame")

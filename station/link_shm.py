@@ -9,12 +9,19 @@ this user, of the announced size), finds the nonce (so both ends see one file, o
 the client then unlinks the name, so nothing stays in /dev/shm whatever happens to either process later (a client
 killed inside that one round trip leaves its file behind: 4 MiB named wavemesh-rows-*). From there a
 request whose rows fit goes as REQUEST_SHM: the rows are written into the segment, only the message crosses the
-socket, and the station copies them out into the connection's rows buffer before it reads them (what it validates
-is then its own memory; the client writes the segment again only after the reply). On another host the name is not
-found, the station declines, and the connection goes on over TCP as before.
+socket, and the station reads them where they lie, with no copy out: the client writes the segment again only after
+the reply, which comes after the station's step (and, relaying, its successors'), and a client whose call fails
+closes the connection and its segment rather than reuse them. A client that broke that rule (wrote rows after the
+station checked them finite) would be a process of the station's own user on its host holding the cluster token,
+which could as well kill the station; and what it reached would be its own wave's rows, which it could as well
+have sent wrong but finite, to the same effect on every KV block they fill: a private copy guarded nothing.
+A relaying station's step likewise writes its rows straight into its successor's segment (`rows`, through
+station.relay_link_client.Announced.rows_space), so a hop's MiB is written once and read once, in place. On another
+host the name is not found, the station declines, and the connection goes on over TCP as before.
 """
 from __future__ import annotations
 
+import ctypes
 import hmac
 import mmap
 import os
@@ -22,6 +29,8 @@ import re
 import secrets
 import stat
 import struct
+
+import numpy as np
 
 SHM_DIR = "/dev/shm"
 SEGMENT_BYTES = 4 << 20  # a relaying station's segment per connection: a 64-row wave of 8192-wide float32 is 2 MiB
@@ -37,6 +46,7 @@ class RowsSegment:
         self.size = len(mapped)
         self._mapped = mapped
         self._view = memoryview(mapped)
+        self._address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))  # the export ends with the temporary
 
     @classmethod
     def create(cls, size: int, directory: str = SHM_DIR) -> tuple["RowsSegment", bytes, str] | None:
@@ -92,16 +102,25 @@ class RowsSegment:
         return cls(mapped)
 
     def write(self, rows: memoryview) -> None:
-        """Put a request's rows (bytes, at most `size`) at the start of the segment."""
-        self._view[:rows.nbytes] = rows
+        """Put a request's rows (bytes, at most `size`) at the start of the segment, unless they are there already
+        (a step wrote them into `rows(n)`)."""
+        if not self.holds(rows):
+            self._view[:rows.nbytes] = rows
 
-    def read_into(self, n: int, buffer: bytearray) -> memoryview:
-        """The first `n` bytes of the segment copied into `buffer` (at least n bytes); a view of them there."""
-        out = memoryview(buffer)[:n]
-        out[:] = self._view[:n]
-        return out
+    def holds(self, rows: memoryview) -> bool:
+        """True where `rows` is the segment's own memory from its first byte (nothing to copy)."""
+        return rows.nbytes <= self.size and np.frombuffer(rows, np.uint8).ctypes.data == self._address
+
+    def rows(self, n: int) -> memoryview:
+        """The first `n` bytes of the segment, in place (writable: a tensor over them is the station's input, read
+        without a copy; 1 MiB copied out took 0.08-0.16 ms of a relaying station's CPU on every hop)."""
+        return self._view[:n]
 
     def close(self) -> None:
-        """Unmap the segment (the file's name is already gone: its pages go with the last mapping)."""
+        """Unmap the segment (the file's name is already gone: its pages go with the last mapping). Where a tensor
+        over its rows still lives, the mapping goes with that tensor instead."""
         self._view.release()
-        self._mapped.close()
+        try:
+            self._mapped.close()
+        except BufferError:  # a view of the rows is still held: unmapped when it is collected
+            pass

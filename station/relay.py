@@ -52,7 +52,9 @@ from station.relay_link_client import Announced, RelayLinkClient
 from station.step_replies import merge_step_replies, never
 
 _R = TypeVar("_R")
-StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor], tuple[StationOutput, pb.KVUsage]]
+# one step of this station on a wave's entries and token ids, given the announcement made for its rows (where they
+# may be put: Announced.rows_space), and its KV report
+StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor, Announced | None], tuple[StationOutput, pb.KVUsage]]
 
 
 class RelayError(RuntimeError):
@@ -253,7 +255,8 @@ class Successors:
                            *, block_tokens: int, vocab_size: int, ended: Callable[[], bool] = never
                            ) -> Iterator[pb.ForwardReply]:
         """`steps` decode steps of a wave at the first station of a chain, one reply per step as its samples come
-        back: each step runs here (`run_step`: this station's step and KV report, under its lock), goes through
+        back: each step runs here (`run_step`: this station's step and KV report, under its lock; its rows where the
+        step's announcement has room for them), goes through
         `relay_to` as a one-step wave, and the samples that come back are the next step's token ids. Each reply
         holds the step's samples, this station's seconds and KV and one RelayHop per relayed station. No step
         starts once `ended()` (the call was ended early)."""
@@ -266,7 +269,7 @@ class Successors:
             onward = pb.ForwardRequest(wave_id=wave_id, relay_to=relay_to[1:])
             entries_to_proto(step, into=onward.entries)
             announcement = self.announce(onward, relay_to[0], time_left_s())
-            out, kv = self.unless_failed(announcement, lambda: run_step(step, token_ids))
+            out, kv = self.unless_failed(announcement, lambda: run_step(step, token_ids, announcement))
             answer = self.relay(onward, relay_to[0], out, kv, time_left_s(), announcement)
             if not answer.HasField("samples"):
                 raise RelayError(grpc.StatusCode.INTERNAL, f"relay to {relay_to[0]}: step {k} came back without "

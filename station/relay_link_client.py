@@ -33,6 +33,11 @@ class Announced:
     deadline: float  # time.monotonic() past which the answer is late
     sent_bytes: int  # the message's bytes, counted with the rows'
 
+    def rows_space(self, nbytes: int) -> memoryview | None:
+        """Where the request's `nbytes` of rows may be put before `complete`: the connection's shared-memory
+        segment, where they fit (rows written there cross the hop without a copy into it); None: no such place."""
+        return self.segment.rows(nbytes) if self.segment is not None and nbytes <= self.segment.size else None
+
 
 class RelayLinkClient:
     """Calls to one station's relay link, over a pool of connections (one call on each at a time)."""
@@ -179,8 +184,8 @@ class RelayLinkClient:
     @staticmethod
     def _send(conn: socket.socket, segment: RowsSegment | None, kind: int, body: bytes, rows: memoryview | None,
               deadline: float) -> None:
-        """Send a REQUEST or ROWS frame: its rows through the segment where they fit (REQUEST_SHM, ROWS_SHM), else in
-        the stream."""
+        """Send a REQUEST or ROWS frame: its rows through the segment where they fit (REQUEST_SHM, ROWS_SHM; written
+        there unless a step put them there already, `Announced.rows_space`), else in the stream."""
         seconds = max(1e-3, deadline - time.monotonic())
         if segment is not None and rows is not None and rows.nbytes <= segment.size:
             segment.write(rows)

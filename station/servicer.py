@@ -27,7 +27,8 @@ import torch
 
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.proto import station_pb2_grpc
-from mesh.core.wave import StationOutput, WaveEntry, decode_steps_problem
+from mesh.core.torch_dtypes import TORCH_DTYPES
+from mesh.core.wave import StationOutput, WaveEntry, decode_steps_problem, wave_rows
 from mesh.core.wire import (decode_entries, decode_forward, decode_relay, decode_reply_steps, decode_steps,
                             samples_to_proto)
 from mesh.core.wire_tensor import WireError, tensor_to_proto
@@ -35,6 +36,7 @@ from mesh.core.wire_kv import decode_export, decode_import
 from station.interceptors import WireBytes
 from station.kv import KVBudgetError
 from station.relay import RelayError, Successors, onward_request
+from station.relay_link_client import Announced
 from station.server_limits import ServerLimits
 from station.station_lock import StationBusy, StationLock
 from station.step import Station, StepError
@@ -171,15 +173,15 @@ class StationServicer(station_pb2_grpc.StationServicer):
             return self.successors.relay_steps(
                 request.wave_id, entries, token_ids, steps, relay_to, self._one_step, time_remaining,
                 block_tokens=self._block_tokens(), vocab_size=st.config.vocab_size)
-        def step() -> tuple[StationOutput, pb.KVUsage]:
-            return self.lock.run(lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps))
         if relay_to:  # the successor decodes the onward request while this station computes the rows
             onward = onward_request(request)
             announced = self.successors.announce(onward, relay_to[0], time_remaining())
-            out, kv = self.successors.unless_failed(announced, step)
+            rows_out = self._rows_out(announced, entries)
+            out, kv = self.successors.unless_failed(announced, lambda: self.lock.run(
+                lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, rows_out=rows_out)))
             # outside the station lock: the next wave computes while the successors run this one
             return self.successors.relay(onward, relay_to[0], out, kv, time_remaining(), announced)
-        out, kv = step()
+        out, kv = self.lock.run(lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps))
         if out.hidden is not None:
             reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv)
             tensor_to_proto(out.hidden, into=reply.hidden)
@@ -203,11 +205,23 @@ class StationServicer(station_pb2_grpc.StationServicer):
         st = self.station
         return self.lock.run(lambda: st.forward(entries, token_ids=token_ids, steps=steps))
 
-    def _one_step(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor) -> tuple[StationOutput, pb.KVUsage]:
+    def _one_step(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, announced: Announced | None
+                  ) -> tuple[StationOutput, pb.KVUsage]:
         """One step of a several-step relayed wave, under the station lock (released between steps, so other
-        waves compute while this one's rows travel)."""
-        st = self.station
-        return self.lock.run(lambda: st.forward(entries, token_ids=token_ids))
+        waves compute while this one's rows travel); its rows where `announced` has room for them."""
+        st, rows_out = self.station, self._rows_out(announced, entries)
+        return self.lock.run(lambda: st.forward(entries, token_ids=token_ids, rows_out=rows_out))
+
+    def _rows_out(self, announced: Announced | None, entries: tuple[WaveEntry, ...]) -> torch.Tensor | None:
+        """Where this relaying station's step puts its rows [T, d]: in the successor's shared-memory segment that
+        `announced` holds, where they fit, so that they cross the hop without a copy into it (a GPU station's copy
+        to the host lands there); None: the link copies them."""
+        if announced is None:
+            return None
+        st, rows = self.station, wave_rows(entries)
+        dtype = TORCH_DTYPES[st.spec.dtype]
+        space = announced.rows_space(rows * st.config.hidden_size * dtype.itemsize)
+        return None if space is None else torch.frombuffer(space, dtype=dtype).view(rows, st.config.hidden_size)
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
         """Free the KV of the listed sequences; replies with how many were resident and the KV left, or, with

@@ -99,17 +99,32 @@ class Station:
         return self.model.is_last
 
     def forward(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None, want_logits: bool = False, steps: int = 1) -> StationOutput:
+                hidden: torch.Tensor | None = None, want_logits: bool = False, steps: int = 1,
+                rows_out: torch.Tensor | None = None) -> StationOutput:
         """Advance every entry of the wave by its rows; raises StepError on a malformed wave, KVBudgetError when full.
 
         The first station takes token_ids [T], later ones hidden [T, d]. The last station samples one token
         for each entry with `sample` set (and returns those rows' logits when `want_logits`). `steps` > 1
         (a station holding every layer, 1-token entries that all sample) runs that many decode steps, each
-        feeding back the tokens the last drew; samples are then step-major, steps x entries.
+        feeding back the tokens the last drew; samples are then step-major, steps x entries. `rows_out`: a CPU
+        tensor [T, d] of the station's dtype where a station before the last puts its output rows (its successor's
+        shared-memory segment: station.relay_link_client.Announced.rows_space); the output is then that tensor.
         """
+        if rows_out is not None and (problem := self._rows_out_problem(rows_out, entries, steps)) is not None:
+            raise StepError(problem)
         if steps > 1:
             return on_compute_thread(self._forward_steps, entries, token_ids, hidden, steps)
-        return on_compute_thread(self._forward, entries, token_ids, hidden, want_logits)
+        return on_compute_thread(self._forward, entries, token_ids, hidden, want_logits, rows_out)
+
+    def _rows_out_problem(self, rows_out: torch.Tensor, entries: tuple[WaveEntry, ...], steps: int) -> str | None:
+        """What is wrong with `rows_out` as this step's output rows (None: nothing)."""
+        if self.is_last or steps > 1:
+            return "rows_out: the last station samples (several decode steps too); it puts out no rows"
+        want = (wave_rows(entries), self.config.hidden_size)
+        if tuple(rows_out.shape) != want or rows_out.dtype != self.dtype or rows_out.device.type != "cpu":
+            return (f"rows_out: expected a CPU {self.spec.dtype} {list(want)} tensor, got "
+                    f"{rows_out.device.type} {str(rows_out.dtype).removeprefix('torch.')} {list(rows_out.shape)}")
+        return None
 
     def _forward_steps(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor | None,
                        hidden: torch.Tensor | None, steps: int) -> StationOutput:
@@ -134,11 +149,14 @@ class Station:
         return StationOutput(None, samples, seconds)
 
     def _forward(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor | None, hidden: torch.Tensor | None,
-                 want_logits: bool) -> StationOutput:
+                 want_logits: bool, rows_out: torch.Tensor | None = None) -> StationOutput:
         t0 = time.perf_counter()
         x = self._validate(entries, token_ids, hidden)
         with self.kv.growing(entries), torch.inference_mode():
             out = self._compute(entries, x, want_logits)
+            if rows_out is not None:
+                rows_out.copy_(out[0])  # [T, d] into the successor's shared memory (from a GPU: its copy to the host)
+                out = (rows_out, None, None)
         seconds = time.perf_counter() - t0
         self._forwards += 1
         self._kv_changes += 1

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import scale
@@ -85,6 +86,25 @@ def test_a_modelled_step_lasts_its_modelled_time_though_sleeps_wake_late():
     on_time = ModelledWait(sleep=lambda s: now.__setitem__(0, now[0] + s), clock=lambda: now[0])
     assert [on_time.wait(0.004) for _ in range(3)] == pytest.approx([0.004] * 3)
     assert on_time.wait(0.0) == 0.0
+    asked.clear()  # work done within the step (the rows written out) counts toward its time
+    late = ModelledWait(sleep=late_sleep, clock=lambda: now[0])
+    assert late.wait(0.016, work=lambda: now.__setitem__(0, now[0] + 0.002)) == pytest.approx(0.0163)
+    assert asked == [pytest.approx(0.014)]
+
+
+def test_a_simulated_station_writes_its_rows_where_it_is_told():
+    """`rows_out` (the successor's shared memory): the modelled rows land there and are the output; a tensor that is
+    not this step's rows, or one given to the last station, is refused before the step counts."""
+    sim = SimModel(num_layers=4, hidden_size=8, vocab_size=100, wave_s=0.0, k_rows=4)
+    first, last = SimulatedStation(sim, (0, 2)), SimulatedStation(sim, (2, 4))
+    space = torch.zeros(3, 8, dtype=torch.bfloat16)  # [T, d]
+    out = first.forward((WaveEntry(1, 0, 3),), rows_out=space)
+    assert out.hidden is space and bool((space == 0.5).all())
+    for station, bad in ((first, torch.zeros(2, 8, dtype=torch.bfloat16)), (first, torch.zeros(1, 8)),
+                         (last, torch.zeros(1, 8, dtype=torch.bfloat16))):
+        with pytest.raises(StepError, match="rows_out"):
+            station.forward((WaveEntry(1, 3, 1) if station is first else WaveEntry(1, 0, 1),), rows_out=bad)
+    assert first.stats().forwards == 1 and last.stats().forwards == 0
 
 
 def test_simulated_chain_serves_through_the_real_engine():

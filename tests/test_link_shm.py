@@ -50,10 +50,14 @@ def _samples(body: bytes) -> list[int]:
     return [s.token_id for s in pb.ForwardReply.FromString(body).samples.samples]
 
 
-def test_a_chain_on_one_host_relays_its_rows_through_shared_memory(tiny_llama, reference):
-    """Three stations on this host: with shared memory (the default) every relayed hop's rows went through it; by
-    TCP none did; the tokens are one station's both ways, and no segment's name is left behind."""
+def test_a_chain_on_one_host_relays_its_rows_through_shared_memory(tiny_llama, reference, monkeypatch):
+    """Three stations on this host: with shared memory (the default) every relayed hop's rows went through it, put
+    there by the relaying station's step itself (never copied in after); by TCP none did; the tokens are one
+    station's both ways, and no segment's name is left behind."""
     prompts, params, ref = reference
+    held: list[bool] = []  # for each write of rows into a segment: were they there already
+    holds = RowsSegment.holds
+    monkeypatch.setattr(RowsSegment, "holds", lambda self, rows: held.append(holds(self, rows)) or held[-1])
     for shm in (True, False):
         servers = [start_server(Station(tiny_llama, StationSpec(layers=r)), token=TOKEN, relay_shm=shm)
                    for r in CHAINS[3]]
@@ -62,6 +66,8 @@ def test_a_chain_on_one_host_relays_its_rows_through_shared_memory(tiny_llama, r
             links = [s.relay_link for s in servers[1:]]
             assert all(link.requests > 0 and link.announced == link.requests for link in links)  # test_link_announce
             assert [link.shm_requests for link in links] == [link.requests if shm else 0 for link in links]
+            assert len(held) == (sum(link.requests for link in links) if shm else 0) and all(held)
+            held.clear()
             assert _segments_left() == []
         finally:
             for s in servers:
@@ -210,8 +216,13 @@ def test_a_segment_carries_rows_intact(size, tmp_path):
         attached = RowsSegment.attach(offer, size)
         data = os.urandom(size)
         segment.write(memoryview(data))
-        assert bytes(attached.read_into(size, bytearray(size))) == data
-        attached.close()
+        rows = attached.rows(size)
+        assert bytes(rows) == data and segment.holds(segment.rows(size)) and segment.holds(segment.rows(1))
+        assert not segment.holds(memoryview(data)) and not segment.holds(segment.rows(size)[1:])
+        view = torch.frombuffer(rows, dtype=torch.uint8)  # the station's tensor over the rows, in place
+        attached.close()  # while it lives the mapping stays
+        assert bytes(view.numpy()) == data
+        del rows, view
     finally:
         segment.close()
         os.unlink(path)

@@ -170,3 +170,26 @@ def test_half_precision_station_runs(tiny_llama, dtype):
     assert len(ids) == 8 and reason == "length"
     ref = generate_one(Station(tiny_llama, StationSpec(layers=(0, L))), PROMPT, SamplingParams(max_tokens=1))[0]
     assert ids[0] == ref[0]  # the first greedy token survives reduced precision on this model
+
+
+def test_rows_go_where_the_caller_puts_them(tiny_llama):
+    """`rows_out` (a successor's shared-memory segment): a station before the last writes its rows there and returns
+    that tensor, the same bits as its own; a tensor of the wrong shape, dtype or device, at the last station, or
+    for several decode steps is refused by name before anything runs."""
+    first, alone = (Station(tiny_llama, StationSpec(layers=(0, 3))) for _ in range(2))
+    entry, ids = (WaveEntry(1, 0, 4),), torch.tensor([1, 2, 3, 4])
+    d = first.config.hidden_size
+    space = torch.full((4, d), float("nan"))  # [T, d]
+    out = first.forward(entry, token_ids=ids, rows_out=space)
+    assert out.hidden is space and torch.equal(space, alone.forward(entry, token_ids=ids).hidden)
+    last = Station(tiny_llama, StationSpec(layers=(3, L)))
+    step = (WaveEntry(1, 4, 1),)
+    for station, kw, words in [
+            (first, {"rows_out": torch.zeros(2, d)}, "rows_out: expected a CPU float32 \\[1, 64\\] tensor"),
+            (first, {"rows_out": torch.zeros(1, d, dtype=torch.float64)}, "got cpu float64"),
+            (first, {"rows_out": torch.zeros(1, d), "steps": 2}, "several decode steps too"),
+            (last, {"rows_out": torch.zeros(1, d), "hidden": torch.zeros(1, d)}, "the last station samples")]:
+        with pytest.raises(ValueError, match=words):
+            station.forward(step if station is first else (WaveEntry(1, 0, 1),),
+                            **({"token_ids": torch.tensor([5])} if station is first else {}), **kw)
+    assert first.kv.length(1) == 4  # nothing ran
