@@ -9,6 +9,8 @@ import os
 import socket
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -16,10 +18,12 @@ import pytest
 import torch
 
 from mesh.core.config import StationSpec
+from mesh.core.params import SamplingParams
 from mesh.core.proto import station_pb2 as pb
+from mesh.core.wave import WaveEntry
 from mesh.core.wire_tensor import tensor_bytes, tensor_header
 from station.interceptors import WireBytes
-from station.link_frames import ERROR, REPLY, REQUEST, REQUEST_SHM, SHM, frame, read_frame, send_frame
+from station.link_frames import ERROR, REPLY, REQUEST, REQUEST_SHM, SHM, LinkError, frame, read_frame, send_frame
 from station.link_shm import NAME, OFFER, SHM_DIR, RowsSegment
 from station.relay_link_client import RelayLinkClient
 from station.server import start_server
@@ -153,6 +157,51 @@ def test_a_client_sends_rows_that_fit_through_its_segment_and_the_rest_by_tcp(la
     finally:
         client.close()
         station.release([915, 916, 917])
+
+
+def test_a_late_calls_rows_stay_as_sent_while_the_station_reads_them(tiny_llama, last_station):
+    """The station reads rows where they lie in the segment, so a client writes a segment again only after its
+    answer: a call past its deadline closes its connection and segment, and the next call, sent while the busy
+    station still holds the late one, goes on a new connection. The late request is computed from its own rows
+    (the logits after it are those of its rows alone), not the next call's."""
+    station = last_station.servicer.station
+    hidden = station.config.hidden_size
+    client = RelayLinkClient("127.0.0.1", last_station.relay_link.port, token=TOKEN, tls=None,
+                             max_message_bytes=LIMIT, wire=WireBytes(), shm_bytes=1 << 16)
+    late_rows, next_rows = torch.randn(2, hidden), torch.randn(2, hidden)  # [2, d] each
+
+    def call(seq_id: int, rows: torch.Tensor, timeout: float) -> pb.ForwardReply:
+        request = _request(seq_id, hidden)
+        tensor_header(rows, into=request.hidden)
+        request.hidden.ClearField("data")
+        return client.forward(request, timeout, rows=tensor_bytes(rows))
+
+    def wait_for(done) -> None:
+        deadline = time.monotonic() + 20
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done()
+
+    shm = last_station.relay_link.shm_requests
+    following = ThreadPoolExecutor(1)
+    try:
+        with last_station.servicer.lock.hold():  # busy past the first call's deadline
+            with pytest.raises(LinkError) as late:
+                call(931, late_rows, 0.3)
+            assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and client._idle == []
+            follow = following.submit(call, 932, next_rows, 30)
+            wait_for(lambda: last_station.relay_link.shm_requests == shm + 2)  # both wait on the station now
+        assert len(follow.result(30).samples.samples) == 1
+        wait_for(lambda: station.kv.length(931) == 2)  # the late one was computed too, its answer unread
+        row, step = torch.randn(1, hidden), (WaveEntry(931, 2, 1, SamplingParams()),)
+        (got, _) = last_station.servicer.lock.run(lambda: station.forward(step, hidden=row, want_logits=True))
+        alone = Station(tiny_llama, StationSpec(layers=CHAINS[2][1]))
+        alone.forward((WaveEntry(931, 0, 2, SamplingParams()),), hidden=late_rows)
+        assert torch.equal(got.logits, alone.forward(step, hidden=row, want_logits=True).logits)
+    finally:
+        following.shutdown()
+        client.close()
+        station.release([931, 932])
 
 
 def test_a_station_on_another_host_gets_rows_by_tcp_and_no_more_offers(last_station, tmp_path, monkeypatch):
