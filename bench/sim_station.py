@@ -124,9 +124,9 @@ class SimulatedStation:
                 rows_out: torch.Tensor | None = None) -> StationOutput:
         """Check positions, sleep the modelled step, return rows (or, at the last station, one id per entry);
         `steps` decode steps (a station holding every layer) one after another, samples step-major. `rows_out`:
-        where the rows go (the successor's shared memory), written within the modelled step, as a GPU's copy to a
-        pinned host segment lands while the device works (the copy's own ~40 us over PCIe is not modelled, as it
-        is not where the rows come back as a tensor)."""
+        where the rows go (the successor's shared memory), written within the modelled step, as a GPU's copy into a
+        pinned host segment is the device's work (its ~40 us over PCIe for 1 MiB is not modelled, as it was not
+        when the rows came back as a tensor to be copied in)."""
         if steps == 1:
             return self._step(entries, rows_out)
         if self.spec.start != 0 or self.spec.end < self.sim.num_layers:
