@@ -129,6 +129,8 @@ class SimulatedStation:
         when the rows came back as a tensor to be copied in)."""
         if steps == 1:
             return self._step(entries, rows_out)
+        if rows_out is not None:
+            raise StepError("rows_out: several decode steps return samples, not rows")
         if self.spec.start != 0 or self.spec.end < self.sim.num_layers:
             raise StepError(f"steps: {steps} decode steps need a station holding every layer")
         outs = [self._step(tuple(replace(e, start_pos=e.start_pos + k) for e in entries)) for k in range(steps)]

@@ -104,7 +104,10 @@ def test_a_simulated_station_writes_its_rows_where_it_is_told():
                          (last, torch.zeros(1, 8, dtype=torch.bfloat16))):
         with pytest.raises(StepError, match="rows_out"):
             station.forward((WaveEntry(1, 3, 1) if station is first else WaveEntry(1, 0, 1),), rows_out=bad)
-    assert first.stats().forwards == 1 and last.stats().forwards == 0
+    whole = SimulatedStation(sim, (0, 4))
+    with pytest.raises(StepError, match="several decode steps"):
+        whole.forward((WaveEntry(1, 0, 1),), steps=2, rows_out=torch.zeros(1, 8, dtype=torch.bfloat16))
+    assert first.stats().forwards == 1 and last.stats().forwards == 0 and whole.stats().forwards == 0
 
 
 def test_simulated_chain_serves_through_the_real_engine():
