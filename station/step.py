@@ -118,8 +118,10 @@ class Station:
 
     def _rows_out_problem(self, rows_out: torch.Tensor, entries: tuple[WaveEntry, ...], steps: int) -> str | None:
         """What is wrong with `rows_out` as this step's output rows (None: nothing)."""
-        if self.is_last or steps > 1:
-            return "rows_out: the last station samples (several decode steps too); it puts out no rows"
+        if self.is_last:
+            return "rows_out: the last station samples; it puts out no rows"
+        if steps > 1:
+            return "rows_out: several decode steps return samples, not rows"
         want = (wave_rows(entries), self.config.hidden_size)
         if tuple(rows_out.shape) != want or rows_out.dtype != self.dtype or rows_out.device.type != "cpu":
             return (f"rows_out: expected a CPU {self.spec.dtype} {list(want)} tensor, got "

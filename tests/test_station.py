@@ -187,7 +187,7 @@ def test_rows_go_where_the_caller_puts_them(tiny_llama):
     for station, kw, words in [
             (first, {"rows_out": torch.zeros(2, d)}, "rows_out: expected a CPU float32 \\[1, 64\\] tensor"),
             (first, {"rows_out": torch.zeros(1, d, dtype=torch.float64)}, "got cpu float64"),
-            (first, {"rows_out": torch.zeros(1, d), "steps": 2}, "several decode steps too"),
+            (first, {"rows_out": torch.zeros(1, d), "steps": 2}, "several decode steps return samples"),
             (last, {"rows_out": torch.zeros(1, d), "hidden": torch.zeros(1, d)}, "the last station samples")]:
         with pytest.raises(ValueError, match=words):
             station.forward(step if station is first else (WaveEntry(1, 0, 1),),
