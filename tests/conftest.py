@@ -33,6 +33,12 @@ def tiny_llama(model_dirs):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_bf16(tmp_path_factory):
+    """The tiny llama's weights rounded to bfloat16 and stored so, as most published checkpoints are."""
+    return init_model(tmp_path_factory.mktemp("bf16") / "tiny-llama-bf16", "tiny", "llama", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
 def sharded_llama(tmp_path_factory):
     """The tiny llama written as 3 shards with a model.safetensors.index.json."""
     return init_model(tmp_path_factory.mktemp("sharded") / "tiny-llama-3", "tiny", "llama", shards=3)

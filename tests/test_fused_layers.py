@@ -1,6 +1,6 @@
-"""The packed float32 station runs its whole layer range in one native call (mesh.core.model.fused) and gets the
-bits the per-op path gets, for every architecture; a model that is not all on the packed kernels keeps the
-per-op path."""
+"""The packed station runs its whole layer range in one native call (mesh.core.model.fused) and gets the
+bits the per-op path gets, for every architecture and with float32 or bfloat16 tiles; a model that is not all on
+the packed kernels keeps the per-op path."""
 from __future__ import annotations
 
 import pytest
@@ -55,6 +55,24 @@ def test_one_call_per_range_gives_the_bits_of_the_per_op_path(model_dirs, arch):
 
 
 @needs_packed
+def test_bfloat16_tiles_give_the_bits_of_float32_tiles_fused_and_per_op(tiny_llama_bf16, monkeypatch):
+    """A bfloat16 checkpoint's station holds bfloat16 tiles; its logits, fused and per-op, equal those of the same
+    station made to hold the same values in float32 tiles, bit for bit."""
+    held = Station(tiny_llama_bf16, StationSpec(layers=(0, 6)))
+    assert held.fused is not None and held.model.lm_head.weight.dtype == torch.bfloat16
+    with monkeypatch.context() as m:
+        m.setattr("mesh.core.model.packed.exact_in_bfloat16", lambda w: False)
+        widened = Station(tiny_llama_bf16, StationSpec(layers=(0, 6)))
+    assert widened.fused is not None and widened.model.lm_head.weight.dtype == torch.float32
+    expected = _waves(widened)
+    for i, (x, y) in enumerate(zip(_waves(held), expected)):
+        assert torch.equal(x, y), f"wave {i}: bfloat16 tiles differ from float32 tiles (fused)"
+    held.fused = None
+    for i, (x, y) in enumerate(zip(_waves(held), expected)):
+        assert torch.equal(x, y), f"wave {i}: bfloat16 tiles differ from float32 tiles (per op)"
+
+
+@needs_packed
 def test_a_middle_station_runs_fused_on_hidden_rows(tiny_llama):
     """A station without the embedding or head takes hidden rows through the fused call, leaving its input as
     it was, and gives the per-op path's bits."""
@@ -72,7 +90,7 @@ def test_a_middle_station_runs_fused_on_hidden_rows(tiny_llama):
 @needs_packed
 @pytest.mark.parametrize("backend", ["aten", "onednn"])
 def test_other_backends_keep_the_per_op_path(tiny_llama, backend):
-    """Only a station whose every layer runs the packed float32 kernels is fused."""
+    """Only a station whose every layer runs the packed kernels is fused."""
     try:
         st = Station(tiny_llama, StationSpec(layers=(0, 6), linear_backend=backend))
     except ValueError:

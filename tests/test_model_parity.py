@@ -20,9 +20,11 @@ def _hf(model_dir):
         model_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-def test_logits_and_greedy_tokens_match_transformers(model_dirs, arch):
-    model_dir = model_dirs[arch]
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "llama-bf16"])
+def test_logits_and_greedy_tokens_match_transformers(model_dirs, tiny_llama_bf16, arch):
+    """llama-bf16: a checkpoint stored in bfloat16, read as float32 by both (the station holds it in bfloat16
+    tiles)."""
+    model_dir = tiny_llama_bf16 if arch == "llama-bf16" else model_dirs[arch]
     hf = _hf(model_dir)
     st = Station(model_dir, StationSpec(layers=(0, hf.config.num_hidden_layers)))
     greedy = SamplingParams(max_tokens=STEPS)

@@ -1,15 +1,20 @@
 """The packed path's set-up: tiles built from a weight's parts without a concatenated copy, all of a model's packed
-weights in one allocation."""
+weights in one allocation; weights bfloat16 holds exactly packed as bfloat16, with the float32 tiles' bits."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mesh.core.config import ModelConfig
+from mesh.core.config import ModelConfig, StationSpec
 from mesh.core.model.kernels import resolve_linear_backend, use_linear_backend
 from mesh.core.model.llama import Linear
 from mesh.core.model.loader import load_range
-from mesh.core.model.packed import PACK_TILE, pack_rows, packed_linear
+from mesh.core.model.packed import PACK_TILE, pack_rows, packed_linear, pad_bias
+from mesh.core.model.synthetic import preset_config, write_checkpoint
+from station.step import Station
+
+needs_packed = pytest.mark.skipif(resolve_linear_backend("auto", torch.device("cpu"), torch.float32) != "packed",
+                                  reason="the packed native kernels do not run here")
 
 
 def _tiles_by_index(w: torch.Tensor) -> torch.Tensor:
@@ -60,3 +65,78 @@ def test_a_packed_station_holds_its_linear_weights_in_one_allocation(tiny_llama)
     assert packed and all(m.weight_layout == "packed" for m in model.modules()
                           if isinstance(m, Linear) and m.weight.device.type != "meta")
     assert len({w.untyped_storage().data_ptr() for w in packed}) == 1
+
+
+def _bfloat16_valued(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16().float()
+
+
+@pytest.mark.parametrize("sizes", [(70,), (64, 128), (5, 3)])
+def test_bfloat16_tiles_interleave_each_lines_32_columns(sizes):
+    """A bfloat16 tile's k row is two 64-byte lines of 32 columns; in each, position 2i holds column i and 2i + 1
+    column 16 + i (the kernel widens a 32-bit lane's halves into two vectors)."""
+    parts = [_bfloat16_valued(n, 40, seed=n) for n in sizes]
+    natural = _tiles_by_index(torch.cat(parts))
+    expected = torch.empty_like(natural)
+    for line in range(PACK_TILE // 32):
+        for i in range(16):
+            expected[:, :, line * 32 + 2 * i] = natural[:, :, line * 32 + i]
+            expected[:, :, line * 32 + 2 * i + 1] = natural[:, :, line * 32 + 16 + i]
+    packed = pack_rows(parts, dtype=torch.bfloat16)
+    assert packed.dtype == torch.bfloat16 and torch.equal(packed.float(), expected)
+
+
+def test_bfloat16_tiles_take_only_values_bfloat16_holds():
+    """Rounding a weight silently would change the model: pack_rows refuses, naming why."""
+    w = _bfloat16_valued(64, 32, seed=1)
+    w[3, 5] += 1e-3  # no longer a bfloat16's value
+    with pytest.raises(ValueError, match="bfloat16 holds exactly"):
+        pack_rows([w], dtype=torch.bfloat16)
+
+
+@needs_packed
+@pytest.mark.parametrize("n,k", [(80, 96), (200, 2048), (130, 70), (9 * PACK_TILE, 64)])
+def test_bfloat16_tiles_give_every_row_the_bits_of_float32_tiles(n, k):
+    """Same values, half the bytes: at every row count (each register tile shape, the spread and the few-row
+    requests), one thread or two, with a bias, the bfloat16 tiles' outputs equal the float32 tiles' bit for bit."""
+    w, b = _bfloat16_valued(n, k, seed=n + k), torch.randn(n, generator=torch.Generator().manual_seed(k))
+    x = torch.randn(100, k, generator=torch.Generator().manual_seed(n))
+    f32, bf16, threads = pack_rows([w]), pack_rows([w], dtype=torch.bfloat16), torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (*range(1, 18), 24, 32, 40, 41, 64, 100):
+                expected = packed_linear(x[:rows], f32, pad_bias(b), n)
+                assert torch.equal(packed_linear(x[:rows], bf16, pad_bias(b), n), expected), (count, rows)
+            torch.testing.assert_close(expected, x.double().mm(w.double().T).add(b.double()).float(),
+                                       rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_packed
+def test_a_bfloat16_checkpoint_is_held_in_bfloat16_tiles_in_half_the_bytes(tiny_llama, tiny_llama_bf16):
+    """The loader reads a bfloat16 checkpoint as float32; packing keeps every linear in bfloat16 tiles (half the
+    float32 checkpoint's packed bytes), while float32 values no bfloat16 holds stay float32."""
+    held = {}
+    for name, path in (("float32", tiny_llama), ("bfloat16", tiny_llama_bf16)):
+        station = Station(path, StationSpec(layers=(0, 6)))
+        weights = [m.weight for m in station.model.modules() if isinstance(m, Linear) and m.weight_layout == "packed"]
+        assert weights and {w.dtype for w in weights} == {getattr(torch, name)}, name
+        held[name] = sum(w.numel() * w.element_size() for w in weights)
+    assert held["bfloat16"] * 2 == held["float32"]
+
+
+def test_a_synthetic_checkpoint_is_written_in_the_dtype_asked_for(tiny_llama_bf16, tmp_path):
+    """`mesh init-model --dtype bfloat16` stores bfloat16 tensors and says so in config.json; an unknown dtype is
+    refused by name before anything is written."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(tiny_llama_bf16 / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert json.loads((tiny_llama_bf16 / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="dtype: unknown 'float16'"):
+        write_checkpoint(tmp_path / "x", preset_config("tiny"), dtype="float16")
+    assert not (tmp_path / "x").exists()

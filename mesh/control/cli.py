@@ -52,8 +52,8 @@ def cmd_init_model(args: argparse.Namespace) -> int:
     """Write a synthetic HF checkpoint."""
     from mesh.core.model.synthetic import init_model
 
-    out = init_model(args.out, args.preset, args.arch, seed=args.seed, shards=args.shards)
-    print(f"wrote {args.preset} {args.arch} checkpoint to {out}")
+    out = init_model(args.out, args.preset, args.arch, seed=args.seed, shards=args.shards, dtype=args.dtype)
+    print(f"wrote {args.preset} {args.arch} {args.dtype} checkpoint to {out}")
     return 0
 
 
@@ -200,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--out", required=True)
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--shards", type=int, default=1, help="split the weights into N safetensors files")
+    init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                      help="how the weights are stored (bfloat16: rounded to it, as published checkpoints are)")
     init.set_defaults(func=cmd_init_model)
 
     gen = sub.add_parser("generate", help="generate for one prompt on an in-process station")

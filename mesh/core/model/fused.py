@@ -1,10 +1,11 @@
 """A range's decoder layers in one native call (csrc/fused_layer.c), set up from outside the model.
 
-On the packed float32 path (mesh.core.model.kernels) each layer otherwise costs some twenty Python calls and
-small torch ops around its C kernels. `fuse_layers` collects every layer's packed weights once into a table of
-addresses; `FusedLayers.run` then hands a whole wave to C, which loops over the layers calling the same kernels on
-the same inputs in the same order, so a row's bits are the per-op path's. A model whose layers are not all on the
-packed float32 kernels (another backend, or a weight in another format) gets None, and keeps the per-op path.
+On the packed path (mesh.core.model.kernels; float32 or bfloat16 tiles) each layer otherwise costs some twenty
+Python calls and small torch ops around its C kernels. `fuse_layers` collects every layer's packed weights once
+into a table of addresses; `FusedLayers.run` then hands a whole wave to C, which loops over the layers calling the
+same kernels on the same inputs in the same order, so a row's bits are the per-op path's. A model whose layers are
+not all on the packed kernels (another backend, or a weight in another format) gets None, and keeps the per-op
+path.
 """
 from __future__ import annotations
 
@@ -16,26 +17,32 @@ from torch import nn
 from mesh.core.model.kernels import native_rmsnorm, native_rope, native_silu_mul
 from mesh.core.model.llama import DecoderLayer, Linear, LlamaRange, rope_cos_sin
 from mesh.core.model.native import load_native
-from mesh.core.model.packed import PACK_TILE, packed_linear
+from mesh.core.model.packed import PACK_TILE, PACKED_DTYPES, packed_linear
 
 FIELDS = ("input_norm", "post_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "gate_up_weight",
-          "down_weight")  # one row of the weights table, in csrc/fused_layer.c's order
+          "down_weight", "weight_bytes")  # one row of the weights table, in csrc/fused_layer.c's order
 TIMED_PARTS = ("linears", "attention", "other")  # what `run(..., seconds=)` accumulates, in order
 
 
 def _is_packed(linear: Linear | None) -> bool:
-    """The Linear runs packed_linear on a float32 weight in packed tiles [tiles, K, 64]."""
+    """The Linear runs packed_linear on a weight in packed tiles [tiles, K, 64] (float32 or bfloat16)."""
     if linear is None or not (isinstance(linear.kernel, partial) and linear.kernel.func is packed_linear):
         return False
     w = linear.weight
-    return w.dtype == torch.float32 and w.dim() == 3 and w.shape[2] == PACK_TILE and w.is_contiguous()
+    return w.dtype in PACKED_DTYPES and w.dim() == 3 and w.shape[2] == PACK_TILE and w.is_contiguous()
+
+
+def _linears(layer: DecoderLayer) -> tuple[Linear, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def _fusable(layer: DecoderLayer) -> bool:
+    """The layer's every op has the native kernel fused_layer.c calls, its four linears' tiles of one dtype."""
     attn, mlp = layer.self_attn, layer.mlp
     return (layer.input_layernorm.kernel is native_rmsnorm and layer.post_attention_layernorm.kernel is native_rmsnorm
             and attn.rope_kernel is native_rope and mlp.act_kernel is native_silu_mul
-            and all(_is_packed(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+            and all(_is_packed(m) for m in _linears(layer)) and len({m.weight.dtype for m in _linears(layer)}) == 1
             and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None)
 
 
@@ -54,8 +61,9 @@ class FusedLayers:
             attn, mlp = layer.self_attn, layer.mlp
             rows.append([_address(t) for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                                attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-                                               attn.o_proj.bias, mlp.gate_up_proj.weight, mlp.down_proj.weight)])
-        self.weights = torch.tensor(rows, dtype=torch.int64)  # [L, len(FIELDS)] addresses
+                                               attn.o_proj.bias, mlp.gate_up_proj.weight, mlp.down_proj.weight)]
+                        + [attn.qkv_proj.weight.dtype.itemsize])
+        self.weights = torch.tensor(rows, dtype=torch.int64)  # [L, len(FIELDS)] addresses, weight bytes
         self.shape = (cfg.hidden_size, len(rows), cfg.rms_norm_eps, cfg.num_attention_heads,
                       cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
         self.lib = load_native()[0]
@@ -86,7 +94,7 @@ class FusedLayers:
 
 
 def fuse_layers(model: nn.Module) -> FusedLayers | None:
-    """FusedLayers for `model` when every layer runs the packed float32 kernels, else None (the per-op path)."""
+    """FusedLayers for `model` when every layer runs the packed kernels, else None (the per-op path)."""
     if not isinstance(model, LlamaRange) or load_native()[0] is None:
         return None
     if not all(_fusable(layer) for layer in model.model.layers.values()):

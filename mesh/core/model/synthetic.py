@@ -20,6 +20,8 @@ from mesh.core.config import SUPPORTED_ARCHS, ModelConfig, RopeScaling
 from mesh.core.model.llama import LlamaRange
 from mesh.core.model.tokenizer_gen import write_tokenizer
 
+CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # how a checkpoint's weights are stored
+
 PRESETS = {
     # name: (hidden, layers, heads, kv_heads, ffn, vocab, context)
     "tiny": (64, 6, 4, 2, 160, 512, 1024),
@@ -73,12 +75,16 @@ def random_state(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return state
 
 
-def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int = 0, shards: int = 1) -> Path:
-    """Write a complete HF checkpoint directory for `cfg` (weights, config, tokenizer)."""
+def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int = 0, shards: int = 1,
+                     dtype: str = "float32") -> Path:
+    """Write a complete HF checkpoint directory for `cfg` (weights, config, tokenizer), its weights stored as
+    `dtype` (bfloat16: random_state's values rounded to it, as most published checkpoints are stored)."""
+    if dtype not in CHECKPOINT_DTYPES:
+        raise ValueError(f"dtype: unknown {dtype!r}; choose from {', '.join(CHECKPOINT_DTYPES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = random_state(cfg, seed)
-    (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    state = {name: t.to(CHECKPOINT_DTYPES[dtype]) for name, t in random_state(cfg, seed).items()}
+    (out / "config.json").write_text(json.dumps({**cfg.to_hf(), "torch_dtype": dtype}, indent=2) + "\n")
     if shards <= 1:
         save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     else:
@@ -97,9 +103,10 @@ def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int = 0, shard
     return out
 
 
-def init_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", seed: int = 0, shards: int = 1) -> Path:
-    """`mesh init-model`: write the named preset's checkpoint to `out_dir`."""
-    return write_checkpoint(out_dir, preset_config(preset, arch), seed=seed, shards=shards)
+def init_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", seed: int = 0, shards: int = 1,
+               dtype: str = "float32") -> Path:
+    """`mesh init-model`: write the named preset's checkpoint to `out_dir`, its weights stored as `dtype`."""
+    return write_checkpoint(out_dir, preset_config(preset, arch), seed=seed, shards=shards, dtype=dtype)
 
 
 def builtin_model(cache_dir: str | Path, preset: str = "tiny", arch: str = "llama") -> Path:

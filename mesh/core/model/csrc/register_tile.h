@@ -3,6 +3,12 @@
  * registers, each output one chain of fused multiply-adds over k in order, continued from the partial sums in acc.
  * Storing and reloading a partial sum leaves its bits as they were, so how k is cut into blocks, how many rows share
  * a tile and how many columns a tile takes at once change no bit.
+ *
+ * A weight block is float32 (wbytes 4) or bfloat16 (wbytes 2, packed_linear.c's half-size tiles of weights whose
+ * values bfloat16 holds exactly): a bfloat16 is a float32's upper 16 bits, so it widens to the same float32 in a
+ * register (a shift or a mask) and every multiply-add, hence every bit, is the float32 block's. In a bfloat16 tile
+ * each 64-byte line holds 32 columns interleaved (position 2i: column i, 2i + 1: column 16 + i): one 32-bit lane
+ * holds a column and the one 16 to its right, so a vector of either comes from one load and one shift or mask.
  */
 #ifndef WAVEMESH_REGISTER_TILE_H
 #define WAVEMESH_REGISTER_TILE_H
@@ -22,6 +28,10 @@ INLINE vec vload(const float *p) { return _mm512_loadu_ps(p); }
 INLINE vec vbroadcast(const float *p) { return _mm512_set1_ps(*p); }
 INLINE vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
+typedef __m512i ivec;
+INLINE ivec iload(const void *p) { return _mm512_loadu_si512(p); }
+INLINE vec low_halves(ivec v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+INLINE vec high_halves(ivec v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000))); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LANES 8
 #define VREGS 16
@@ -30,6 +40,10 @@ INLINE vec vload(const float *p) { return _mm256_loadu_ps(p); }
 INLINE vec vbroadcast(const float *p) { return _mm256_broadcast_ss(p); }
 INLINE vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 INLINE void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
+typedef __m256i ivec;
+INLINE ivec iload(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE vec low_halves(ivec v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+INLINE vec high_halves(ivec v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000))); }
 #else
 #error "the native linears need AVX2 with FMA, or AVX-512"
 #endif
@@ -46,6 +60,15 @@ INLINE vec in_register(vec v) {
 #endif
     return v;
 }
+/* Vector j (columns j * LANES on) of one k's weights `row` [64] of wbytes each (constant): a float32 load, or from
+ * a bfloat16 line's interleave (above) the lanes' low or high halves widened. */
+INLINE vec wload(const char *row, const int wbytes, int j) {
+    if (wbytes == 4) return vload((const float *)row + j * LANES);
+    const int col = j * LANES % 32; /* in its line: < 16 the low halves of the lanes from 2 * col, else the high */
+    ivec raw = iload(row + (j * LANES / 32) * 64 + (col % 16) * 4);
+    return col < 16 ? low_halves(raw) : high_halves(raw);
+}
+
 /* vectors of a tile's width one register tile covers at once: the whole tile with AVX-512 (6 x 4 accumulators in
  * 32 registers), a quarter with AVX2 (6 x 2 in 16 registers; the whole tile, 6 x 8, spilled to the stack) */
 #if defined(__AVX512F__)
@@ -117,45 +140,56 @@ INLINE vec in_register(vec v) {
 #define SPREAD_HINT NEXT_BLOCK_HINT
 #endif
 
-/* tb (constant, <= TILE_T) rows of x (x[i * ldx + k]) over kb weights w [kb][64], continuing the sums in acc [tb][64],
- * the columns cv vectors at a time (cv constant, dividing VECS). Weights streamed from memory are requested ahead of
- * use: with prefetch > 0 (constant), each pass's columns that many k ahead (< 0: -prefetch k ahead, as non-temporal);
- * with `ahead` (constant), the next kb x 64 weights after w's, line by line in memory order, spread evenly over this
- * call's passes (its k rows with k % parts == part: this tile is number `part` of `parts` sharing the requests), with
+/* tb (constant, <= TILE_T) rows of x (x[i * ldx + k]) over kb weights w [kb][64] of wbytes each (constant, see
+ * wload), continuing the sums in acc [tb][64], the columns cv vectors at a time (cv constant, dividing VECS). Weights
+ * streamed from memory are requested ahead of use: with prefetch > 0 (constant), each pass's columns that many k
+ * ahead (< 0: -prefetch k ahead, as non-temporal); with `ahead` (constant), the next kb x 64 weights after w's, line
+ * by line in memory order, spread evenly over this call's passes (its k rows with k % parts == part: this tile is
+ * number `part` of `parts` sharing the requests; where a k's weights have fewer lines than the tile has passes, as a
+ * bfloat16 block's with AVX2, the first passes request a line each and the rest none), with
  * SPREAD_HINT where `ahead` is 2 (the spread requests), else
  * NEXT_BLOCK_HINT (5-12% faster at 4-40 rows with AVX-512, 9-29% with AVX2, than each pass's
  * columns one block ahead, bench/out/linear_stream.txt; non-temporal rather than into L2 on the AVX-512 VM: a 4-row
  * decode wave 10% faster in a station, a 16-row one 3%). */
-INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int cv, const float *w, int64_t kb,
-                          const int prefetch, const int ahead, int part, int parts, float *acc) {
-    const int lines = TILE_N * (int)sizeof(float) / 64 * cv / VECS; /* cache lines of the next block per k of a pass */
+INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int cv, const void *w, const int wbytes,
+                          int64_t kb, const int prefetch, const int ahead, int part, int parts, float *acc) {
+    const int line_cols = 64 / wbytes;                   /* columns of a k's weights in one cache line */
+    const int k_lines = TILE_N / line_cols;              /* cache lines of a k's weights */
+    const int passes = VECS / cv;
+    const int lines = k_lines >= passes ? k_lines / passes : 1; /* of the next block per k of a requesting pass */
+    const int64_t row_bytes = (int64_t)TILE_N * wbytes;
+    const char *wb = (const char *)w;
     for (int c0 = 0; c0 < VECS; c0 += cv) {
-        const float *wc = w + c0 * LANES;
         float *ac = acc + c0 * LANES;
-        const float *next = w + kb * TILE_N + (c0 / cv) * kb * lines * 16; /* this pass's share, 16 floats a line */
+        const int pass = c0 / cv;
+        const int requests = pass < k_lines;             /* this pass has a share of the next block */
+        const char *next = wb + kb * row_bytes + (int64_t)pass * kb * lines * 64; /* this pass's share */
+        const int first_line = c0 * LANES / line_cols;   /* the pass's columns' lines within a k's weights */
+        const int pass_lines = cv * LANES / line_cols > 0 ? cv * LANES / line_cols : 1;
         vec a[TILE_T][VECS];
         for (int i = 0; i < tb; i++)
             for (int j = 0; j < cv; j++) a[i][j] = vload(ac + i * TILE_N + j * LANES);
         int due = part; /* passes of k until this tile's next request of the next block */
         for (int64_t k = 0; k < kb; k++) {
+            const char *row = wb + k * row_bytes;
             vec wv[VECS];
             for (int j = 0; j < cv; j++) {
-                wv[j] = vload(wc + k * TILE_N + j * LANES);
+                wv[j] = wload(row, wbytes, c0 + j);
                 /* held in a register where the tile leaves one free: given the choice, GCC reads 3-4 rows'
                  * weights as a memory operand of every multiply-add (one load per FMA: ~60% of the FMA peak
                  * against ~90% so, in L1) */
                 if (tb * cv + cv + 1 <= VREGS) wv[j] = in_register(wv[j]);
             }
             if (prefetch > 0)
-                for (int j = 0; j < cv * LANES; j += 16)
-                    _mm_prefetch((const char *)(wc + (k + prefetch) * TILE_N + j), _MM_HINT_T0);
+                for (int l = 0; l < pass_lines; l++)
+                    _mm_prefetch(row + prefetch * row_bytes + (first_line + l) * 64, _MM_HINT_T0);
             if (prefetch < 0)
-                for (int j = 0; j < cv * LANES; j += 16)
-                    _mm_prefetch((const char *)(wc + (k - prefetch) * TILE_N + j), _MM_HINT_NTA);
-            if (ahead && due-- == 0) {
+                for (int l = 0; l < pass_lines; l++)
+                    _mm_prefetch(row - prefetch * row_bytes + (first_line + l) * 64, _MM_HINT_NTA);
+            if (ahead && requests && due-- == 0) {
                 for (int l = 0; l < lines; l++) {
-                    if (ahead == 2) _mm_prefetch((const char *)(next + (k * lines + l) * 16), SPREAD_HINT);
-                    else _mm_prefetch((const char *)(next + (k * lines + l) * 16), NEXT_BLOCK_HINT);
+                    if (ahead == 2) _mm_prefetch(next + (k * lines + l) * 64, SPREAD_HINT);
+                    else _mm_prefetch(next + (k * lines + l) * 64, NEXT_BLOCK_HINT);
                 }
                 due = parts - 1;
             }
@@ -180,34 +214,40 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
  * ahead (a block computes long enough for the hardware prefetcher, and further ahead the rows' x push the block out
  * of L1 before its use). With `spread` (constant; SPREAD_ROWS), at any row count, the row tiles of 3-6 rows share
  * the next block's requests instead, each requesting its share as it passes. */
-INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int prefetch,
-                            const int ahead, const int spread, float *acc) {
+INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const void *w, const int wbytes, int64_t kb,
+                            const int prefetch, const int ahead, const int spread, float *acc) {
     const int parts = spread ? (int)(T / TILE_T) + (T % TILE_T >= 3) : 1; /* the row tiles that request */
     const int asks = spread ? 2 : ahead; /* 2: the spread requests, with SPREAD_HINT */
     int64_t t = 0;
     for (; t + TILE_T <= T; t += TILE_T)
-        register_tile(x + t * ldx, ldx, TILE_T, CVECS, w, kb, prefetch, asks, spread ? (int)(t / TILE_T) : 0, parts,
-                      acc + t * TILE_N);
+        register_tile(x + t * ldx, ldx, TILE_T, CVECS, w, wbytes, kb, prefetch, asks, spread ? (int)(t / TILE_T) : 0,
+                      parts, acc + t * TILE_N);
     const int last = spread ? parts - 1 : 0;
     switch (T - t) {
-        case 5: register_tile(x + t * ldx, ldx, 5, CVECS, w, kb, prefetch, asks, last, parts, acc + t * TILE_N); break;
-        case 4: register_tile(x + t * ldx, ldx, 4, CVECS, w, kb, prefetch, asks, last, parts, acc + t * TILE_N); break;
-        case 3: register_tile(x + t * ldx, ldx, 3, CVECS, w, kb, prefetch, asks, last, parts, acc + t * TILE_N); break;
-        case 2: register_tile(x + t * ldx, ldx, 2, VECS, w, kb, prefetch, 0, 0, 1, acc + t * TILE_N); break;
-        case 1: register_tile(x + t * ldx, ldx, 1, VECS, w, kb, prefetch, 0, 0, 1, acc + t * TILE_N); break;
+        case 5:
+            register_tile(x + t * ldx, ldx, 5, CVECS, w, wbytes, kb, prefetch, asks, last, parts, acc + t * TILE_N);
+            break;
+        case 4:
+            register_tile(x + t * ldx, ldx, 4, CVECS, w, wbytes, kb, prefetch, asks, last, parts, acc + t * TILE_N);
+            break;
+        case 3:
+            register_tile(x + t * ldx, ldx, 3, CVECS, w, wbytes, kb, prefetch, asks, last, parts, acc + t * TILE_N);
+            break;
+        case 2: register_tile(x + t * ldx, ldx, 2, VECS, w, wbytes, kb, prefetch, 0, 0, 1, acc + t * TILE_N); break;
+        case 1: register_tile(x + t * ldx, ldx, 1, VECS, w, wbytes, kb, prefetch, 0, 0, 1, acc + t * TILE_N); break;
         default: break;
     }
 }
 
 /* The request policy above as constants (a distance or a pointer known only at run time costs the 16-register AVX2
  * tile a register and a branch in its k loop: 20-35% slower, measured). kb is 64 where it matters (one block). */
-INLINE void all_rows_over_block(const float *x, int64_t ldx, int64_t T, const float *w, int64_t kb, const int streamed,
-                                float *acc) {
-    if (!streamed) rows_requesting(x, ldx, T, w, kb, 0, 0, 0, acc);
-    else if (T <= 2) rows_requesting(x, ldx, T, w, kb, FEW_ROWS_AHEAD, 0, 0, acc);
-    else if (SPREAD_ROWS && T >= SPREAD_ROWS) rows_requesting(x, ldx, T, w, kb, 0, 1, 1, acc);
-    else if (T <= 40) rows_requesting(x, ldx, T, w, kb, MID_ROWS_PREFETCH, MID_ROWS_AHEAD, 0, acc);
-    else rows_requesting(x, ldx, T, w, kb, 16, 0, 0, acc);
+INLINE void all_rows_over_block(const float *x, int64_t ldx, int64_t T, const void *w, const int wbytes, int64_t kb,
+                                const int streamed, float *acc) {
+    if (!streamed) rows_requesting(x, ldx, T, w, wbytes, kb, 0, 0, 0, acc);
+    else if (T <= 2) rows_requesting(x, ldx, T, w, wbytes, kb, FEW_ROWS_AHEAD, 0, 0, acc);
+    else if (SPREAD_ROWS && T >= SPREAD_ROWS) rows_requesting(x, ldx, T, w, wbytes, kb, 0, 1, 1, acc);
+    else if (T <= 40) rows_requesting(x, ldx, T, w, wbytes, kb, MID_ROWS_PREFETCH, MID_ROWS_AHEAD, 0, acc);
+    else rows_requesting(x, ldx, T, w, wbytes, kb, 16, 0, 0, acc);
 }
 
 #endif
