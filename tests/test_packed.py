@@ -11,6 +11,8 @@ from mesh.core.model.llama import Linear
 from mesh.core.model.loader import load_range
 from mesh.core.model.packed import PACK_TILE, pack_rows, packed_linear, pad_bias
 from mesh.core.model.synthetic import preset_config, write_checkpoint
+from mesh.core.params import SamplingParams
+from mesh.core.wave import WaveEntry
 from station.step import Station
 
 needs_packed = pytest.mark.skipif(resolve_linear_backend("auto", torch.device("cpu"), torch.float32) != "packed",
@@ -140,3 +142,28 @@ def test_a_synthetic_checkpoint_is_written_in_the_dtype_asked_for(tiny_llama_bf1
     with pytest.raises(ValueError, match="dtype: unknown 'float16'"):
         write_checkpoint(tmp_path / "x", preset_config("tiny"), dtype="float16")
     assert not (tmp_path / "x").exists()
+
+
+@needs_packed
+def test_a_bf16_gguf_of_a_bfloat16_checkpoint_gives_its_station_the_same_tiles_and_logits(tmp_path):
+    """A bfloat16 checkpoint written as a BF16 GGUF (what llama.cpp runs in `mesh bench vs_llamacpp --model
+    bench-bf16`) loads into bfloat16 tiles of the same values: the same logits bit for bit. (Plain RoPE: a GGUF
+    carries no llama3 scaling.)"""
+    from gguf import GGMLQuantizationType
+
+    from mesh.core.model.gguf_write import write_gguf
+
+    cfg = ModelConfig(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, max_position_embeddings=256)
+    hf_dir = write_checkpoint(tmp_path / "tiny-bf16", cfg, dtype="bfloat16")
+    gguf = write_gguf(hf_dir, tmp_path / "tiny-bf16.gguf", GGMLQuantizationType.BF16)
+    ids = torch.tensor([1, 17, 300, 45, 99, 7])
+    logits = []
+    for source in (hf_dir, gguf):
+        station = Station(source, StationSpec(layers=(0, 4)))
+        assert station.model.lm_head.weight.dtype == torch.bfloat16
+        out = station.forward((WaveEntry(0, 0, len(ids), SamplingParams(max_tokens=4)),), token_ids=ids,
+                              want_logits=True)
+        logits.append(out.logits)
+    assert torch.equal(logits[0], logits[1])

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import quantize
-from safetensors.numpy import load_file
+from safetensors import safe_open
 
 from mesh.core.config import ModelConfig
 from mesh.core.model.gguf_file import gguf_name
@@ -51,13 +51,15 @@ def _add_tokenizer(writer: GGUFWriter, model_dir: Path) -> None:
 
 def write_gguf(model_dir: str | Path, out_path: str | Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
                arch: str | None = None) -> Path:
-    """Write the single-file safetensors checkpoint at `model_dir` as GGUF; matrices in `qtype`.
+    """Write the single-file safetensors checkpoint at `model_dir` (float32 or bfloat16) as GGUF; matrices in
+    `qtype` (BF16 among them: a bfloat16 checkpoint's values exactly).
 
     `arch` overrides general.architecture (to write a file of an architecture this runtime refuses).
     """
     model_dir, out = Path(model_dir), Path(out_path)
     cfg = ModelConfig.from_dir(model_dir)
-    state = load_file(str(model_dir / "model.safetensors"))
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:  # torch reads bfloat16, numpy cannot
+        state = {name: f.get_tensor(name).float().numpy() for name in f.keys()}
     writer = GGUFWriter(out, arch or cfg.arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)

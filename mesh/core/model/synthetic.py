@@ -109,13 +109,14 @@ def init_model(out_dir: str | Path, preset: str = "tiny", arch: str = "llama", s
     return write_checkpoint(out_dir, preset_config(preset, arch), seed=seed, shards=shards, dtype=dtype)
 
 
-def builtin_model(cache_dir: str | Path, preset: str = "tiny", arch: str = "llama") -> Path:
-    """The embedded default model: a preset checkpoint written once under `cache_dir` and reused."""
-    final = Path(cache_dir) / f"{preset}-{arch}-seed0"
+def builtin_model(cache_dir: str | Path, preset: str = "tiny", arch: str = "llama", dtype: str = "float32") -> Path:
+    """The embedded default model: a preset checkpoint written once under `cache_dir` and reused (stored as
+    `dtype`; a bfloat16 one in a directory of its own)."""
+    final = Path(cache_dir) / (f"{preset}-{arch}-seed0" + ("" if dtype == "float32" else f"-{dtype}"))
     if (final / "tokenizer_config.json").is_file():
         return final
     tmp = Path(cache_dir) / f".{final.name}.{os.getpid()}"
-    init_model(tmp, preset, arch)
+    init_model(tmp, preset, arch, dtype=dtype)
     try:
         tmp.rename(final)  # atomic: a concurrent writer either wins or finds the finished directory
     except OSError:
