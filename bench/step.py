@@ -192,6 +192,19 @@ def _embedding_bytes(embedding: torch.nn.Module) -> int:
     return embedding.weight.numel() * embedding.weight.element_size()
 
 
+def decode_step_bytes(station: Station) -> tuple[int, int]:
+    """(the weight bytes a full-model station holds, those one decode step reads), as it holds them: packed tiles
+    in float32 or bfloat16, GGUF blocks kept, dense tables. A step reads every weight but the embedding table, of
+    which only its B rows (not counted); a head that IS the embedding table (tied, not packed apart) reads it whole."""
+    embedding = station.model.model.embed_tokens
+    held = sum(p.numel() * p.element_size() for p in station.model.parameters() if p.device.type != "meta")
+    if isinstance(embedding, QuantEmbedding):
+        held += embedding.rows.raw.nbytes
+    head = getattr(station.model, "lm_head", None)
+    tied = head is not None and getattr(embedding, "weight", None) is head.weight
+    return held, held - (0 if tied else _embedding_bytes(embedding))
+
+
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     if args.threads > 0:
@@ -225,11 +238,10 @@ def _main(argv: list[str] | None) -> int:
             fig["profile_ms"][str(b)] = ms
             print(format_profile(b, ms, top), file=sys.stderr)
     ours, hf = fig["ours_tok_s"], fig["hf_tok_s"]
-    weight_bytes = station.load_report.weight_bytes
     embed_bytes = _embedding_bytes(station.model.model.embed_tokens)
-    # what a decode step reads: every weight, but of an untied embedding table only its B rows (a tied one is the
-    # head, read whole); until session 30 the roofline counted the whole table (the bench preset: 381.8 of 475.6 MiB)
-    read_bytes = weight_bytes - (0 if cfg.tie_word_embeddings else embed_bytes)
+    # what a decode step reads (until session 30 the roofline counted the whole embedding table; until session 46
+    # the checkpoint's bytes as float32, not the station's as held, so bfloat16 tiles counted double)
+    weight_bytes, read_bytes = decode_step_bytes(station)
     steps_s = bw * 1e9 / read_bytes
     roof = {str(b): b * steps_s for b in args.batches}
 

@@ -71,13 +71,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def decode_read_bytes(weight_bytes: int, embed_bytes: int, tied: bool, rows: int, row_bytes: int) -> int:
-    """Weight bytes one decode step of `rows` rows reads: every matrix once, an untied embedding only its rows.
-
-    A tied embedding is the output head too, so it is read whole; `row_bytes` is one embedding row."""
-    return weight_bytes if tied else weight_bytes - embed_bytes + rows * row_bytes
-
-
 def roofline_share(tok_s: float, rows: int, read_bytes: int, bandwidth_gb_s: float) -> float:
     """Share of the weight-read roofline: (steps/s x bytes read per step) over the bandwidth."""
     return tok_s / rows * read_bytes / (bandwidth_gb_s * 1e9)

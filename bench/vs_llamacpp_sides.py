@@ -31,9 +31,9 @@ from station.step import Station
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
-from step import prompts, run_ours  # noqa: E402  (bench/step.py: the station decode loop `mesh bench step` times)
+from step import decode_step_bytes, prompts, run_ours  # noqa: E402  (bench/step.py: the station decode loop `mesh bench step` times)
 from server_process import free_port, start_server, stop_server  # noqa: E402
-from vs_llamacpp import decode_read_bytes, parse_llama_bench  # noqa: E402  (the pure parts)
+from vs_llamacpp import parse_llama_bench  # noqa: E402  (the pure parts)
 
 MODELS = {"smollm2": SMOLLM2, "bench": "bench", "bench-bf16": "bench"}  # --model choice -> resolve_model preset
 GGUF_TYPES = {"bench-bf16": GGMLQuantizationType.BF16}  # --model choice -> the peer's GGUF type (else F32)
@@ -201,13 +201,10 @@ def _bench_rounds(args, model_dir: Path, gguf: Path, bin_dir: Path, samples: dic
 
 
 def held_read_bytes(station: Station) -> int:
-    """Weight bytes one batch-1 decode step reads, as the station holds them (float32 or bfloat16 tiles): every
-    parameter whole but the embedding, of which one row (a tied head that is the embedding itself: all of it)."""
+    """Weight bytes one batch-1 decode step reads as the station holds them (bench/step.py), plus its one row of
+    a dense embedding table."""
     embed = station.model.model.embed_tokens.weight
-    held = sum(p.numel() * p.element_size() for p in station.model.parameters() if p.device.type != "meta")
-    head = getattr(station.model, "lm_head", None)
-    tied = head is not None and head.weight is embed
-    return decode_read_bytes(held, embed.numel() * embed.element_size(), tied, 1, embed.shape[1] * embed.element_size())
+    return decode_step_bytes(station)[1] + embed.shape[1] * embed.element_size()
 
 
 def _http_rounds(args, model_dir: Path, gguf: Path, bin_dir: Path, samples: dict[str, list[float]]) -> None:

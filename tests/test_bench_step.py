@@ -47,3 +47,22 @@ def test_bench_step_times_hf_at_the_batches_asked(tiny_llama):
     bad = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_llama), "--quick", "--hf-batches", "x"],
                          check=False, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--hf-batches" in bad.stderr
+
+
+def test_a_steps_bytes_are_counted_as_the_station_holds_them(bench_script, tiny_llama, tiny_llama_bf16):
+    """The roofline's bytes: bfloat16 tiles count half what float32 tiles of the same shapes do, and the untied
+    embedding table (float32 either way) is held but not read whole by a decode step."""
+    import torch
+
+    from mesh.core.config import StationSpec
+    from station.step import Station
+
+    step = bench_script("step")
+    figures = {}
+    for name, path in (("float32", tiny_llama), ("bfloat16", tiny_llama_bf16)):
+        station = Station(path, StationSpec(layers=(0, 6)))
+        table = station.model.model.embed_tokens.weight
+        held, read = step.decode_step_bytes(station)
+        assert held - read == table.numel() * 4 and table.dtype == torch.float32, name
+        figures[name] = read - sum(p.numel() * 4 for n, p in station.model.named_parameters() if "norm" in n)
+    assert figures["bfloat16"] * 2 == figures["float32"]

@@ -41,13 +41,6 @@ def test_bad_arguments_are_refused_by_name(vs, capsys, argv, named):
     assert named in capsys.readouterr().err
 
 
-def test_decode_read_bytes_counts_an_untied_embedding_by_rows(vs):
-    """Tied: the embedding is the head, read whole. Untied: only the rows looked up are read."""
-    assert vs.decode_read_bytes(1000, 300, True, 1, 10) == 1000
-    assert vs.decode_read_bytes(1000, 300, False, 1, 10) == 710
-    assert vs.decode_read_bytes(1000, 300, False, 4, 10) == 740
-
-
 def test_roofline_share_is_bytes_per_second_over_bandwidth(vs):
     """10 steps/s of 1 GB each on a 40 GB/s machine is a quarter of the roofline; rows divide tok/s into steps."""
     assert vs.roofline_share(10.0, 1, 10**9, 40.0) == pytest.approx(0.25)
