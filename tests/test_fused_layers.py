@@ -1,6 +1,6 @@
 """The packed station runs its whole layer range in one native call (mesh.core.model.fused) and gets the
-bits the per-op path gets, for every architecture and with float32 or bfloat16 tiles; a model that is not all on
-the packed kernels keeps the per-op path."""
+bits the per-op path gets, for every architecture and with float32, bfloat16 or float16 tiles; a model that is not
+all on the packed kernels keeps the per-op path."""
 from __future__ import annotations
 
 import pytest
@@ -55,21 +55,26 @@ def test_one_call_per_range_gives_the_bits_of_the_per_op_path(model_dirs, arch):
 
 
 @needs_packed
-def test_bfloat16_tiles_give_the_bits_of_float32_tiles_fused_and_per_op(tiny_llama_bf16, monkeypatch):
-    """A bfloat16 checkpoint's station holds bfloat16 tiles; its logits, fused and per-op, equal those of the same
-    station made to hold the same values in float32 tiles, bit for bit."""
-    held = Station(tiny_llama_bf16, StationSpec(layers=(0, 6)))
-    assert held.fused is not None and held.model.lm_head.weight.dtype == torch.bfloat16
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_narrow_tiles_give_the_bits_of_float32_tiles_fused_and_per_op(tiny_llama_bf16, tmp_path, monkeypatch, dtype):
+    """A bfloat16 (float16) checkpoint's station holds bfloat16 (float16) tiles; its logits, fused and per-op, equal
+    those of the same station made to hold the same values in float32 tiles, bit for bit."""
+    from mesh.core.model.synthetic import preset_config, write_checkpoint
+
+    path = tiny_llama_bf16 if dtype == "bfloat16" else write_checkpoint(tmp_path / "f16", preset_config("tiny"),
+                                                                         dtype=dtype)
+    held = Station(path, StationSpec(layers=(0, 6)))
+    assert held.fused is not None and held.model.lm_head.weight.dtype == getattr(torch, dtype)
     with monkeypatch.context() as m:
-        m.setattr("mesh.core.model.packed.exact_in_bfloat16", lambda w: False)
-        widened = Station(tiny_llama_bf16, StationSpec(layers=(0, 6)))
+        m.setattr("mesh.core.model.packed.narrowest_exact", lambda parts: torch.float32)
+        widened = Station(path, StationSpec(layers=(0, 6)))
     assert widened.fused is not None and widened.model.lm_head.weight.dtype == torch.float32
     expected = _waves(widened)
     for i, (x, y) in enumerate(zip(_waves(held), expected)):
-        assert torch.equal(x, y), f"wave {i}: bfloat16 tiles differ from float32 tiles (fused)"
+        assert torch.equal(x, y), f"wave {i}: {dtype} tiles differ from float32 tiles (fused)"
     held.fused = None
     for i, (x, y) in enumerate(zip(_waves(held), expected)):
-        assert torch.equal(x, y), f"wave {i}: bfloat16 tiles differ from float32 tiles (per op)"
+        assert torch.equal(x, y), f"wave {i}: {dtype} tiles differ from float32 tiles (per op)"
 
 
 @needs_packed

@@ -1,5 +1,5 @@
 """The packed path's set-up: tiles built from a weight's parts without a concatenated copy, all of a model's packed
-weights in one allocation; weights bfloat16 holds exactly packed as bfloat16, with the float32 tiles' bits."""
+weights in one allocation; weights bfloat16 or float16 holds exactly packed so, with the float32 tiles' bits."""
 from __future__ import annotations
 
 import pytest
@@ -69,8 +69,9 @@ def test_a_packed_station_holds_its_linear_weights_in_one_allocation(tiny_llama)
     assert len({w.untyped_storage().data_ptr() for w in packed}) == 1
 
 
-def _bfloat16_valued(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16().float()
+def _bfloat16_valued(*shape: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """float32 values that `dtype` holds exactly (a checkpoint stored in it, read as float32)."""
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.1).to(dtype).float()
 
 
 @pytest.mark.parametrize("sizes", [(70,), (64, 128), (5, 3)])
@@ -88,22 +89,32 @@ def test_bfloat16_tiles_interleave_each_lines_32_columns(sizes):
     assert packed.dtype == torch.bfloat16 and torch.equal(packed.float(), expected)
 
 
-def test_bfloat16_tiles_take_only_values_bfloat16_holds():
-    """Rounding a weight silently would change the model: pack_rows refuses, naming why."""
-    w = _bfloat16_valued(64, 32, seed=1)
-    w[3, 5] += 1e-3  # no longer a bfloat16's value
-    with pytest.raises(ValueError, match="bfloat16 holds exactly"):
-        pack_rows([w], dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_narrow_tiles_take_only_values_their_type_holds(dtype):
+    """Rounding a weight silently would change the model: pack_rows refuses, naming why; packing picks bfloat16,
+    else float16, else float32, by what every value of the weight is."""
+    from mesh.core.model.packed import narrowest_exact
+
+    w = _bfloat16_valued(64, 32, seed=1, dtype=dtype)
+    assert narrowest_exact([w]) == dtype
+    w[3, 5] += 1e-3  # no longer a value of either narrow type
+    with pytest.raises(ValueError, match=f"{dtype} holds exactly"):
+        pack_rows([w], dtype=dtype)
+    assert narrowest_exact([w]) == torch.float32
+    assert narrowest_exact([torch.tensor([[1.5, float("nan")]])]) == torch.bfloat16  # NaN's bits are kept
+    assert narrowest_exact([torch.tensor([[1.0 + 2 ** -10, 65504.0]])]) == torch.float16
 
 
 @needs_packed
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", [(80, 96), (200, 2048), (130, 70), (9 * PACK_TILE, 64)])
-def test_bfloat16_tiles_give_every_row_the_bits_of_float32_tiles(n, k):
+def test_narrow_tiles_give_every_row_the_bits_of_float32_tiles(n, k, dtype):
     """Same values, half the bytes: at every row count (each register tile shape, the spread and the few-row
-    requests), one thread or two, with a bias, the bfloat16 tiles' outputs equal the float32 tiles' bit for bit."""
-    w, b = _bfloat16_valued(n, k, seed=n + k), torch.randn(n, generator=torch.Generator().manual_seed(k))
+    requests), one thread or two, with a bias, bfloat16 and float16 tiles' outputs equal the float32 tiles' bit for
+    bit."""
+    w, b = _bfloat16_valued(n, k, seed=n + k, dtype=dtype), torch.randn(n, generator=torch.Generator().manual_seed(k))
     x = torch.randn(100, k, generator=torch.Generator().manual_seed(n))
-    f32, bf16, threads = pack_rows([w]), pack_rows([w], dtype=torch.bfloat16), torch.get_num_threads()
+    f32, bf16, threads = pack_rows([w]), pack_rows([w], dtype=dtype), torch.get_num_threads()
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
@@ -117,16 +128,17 @@ def test_bfloat16_tiles_give_every_row_the_bits_of_float32_tiles(n, k):
 
 
 @needs_packed
-def test_a_bfloat16_checkpoint_is_held_in_bfloat16_tiles_in_half_the_bytes(tiny_llama, tiny_llama_bf16):
-    """The loader reads a bfloat16 checkpoint as float32; packing keeps every linear in bfloat16 tiles (half the
-    float32 checkpoint's packed bytes), while float32 values no bfloat16 holds stay float32."""
+def test_a_narrow_checkpoint_is_held_in_tiles_of_its_type_in_half_the_bytes(tiny_llama, tiny_llama_bf16, tmp_path):
+    """The loader reads a bfloat16 or float16 checkpoint as float32; packing keeps every linear in tiles of that type
+    (half the float32 checkpoint's packed bytes), while float32 values neither holds stay float32."""
+    tiny_f16 = write_checkpoint(tmp_path / "tiny-f16", preset_config("tiny"), dtype="float16")
     held = {}
-    for name, path in (("float32", tiny_llama), ("bfloat16", tiny_llama_bf16)):
+    for name, path in (("float32", tiny_llama), ("bfloat16", tiny_llama_bf16), ("float16", tiny_f16)):
         station = Station(path, StationSpec(layers=(0, 6)))
         weights = [m.weight for m in station.model.modules() if isinstance(m, Linear) and m.weight_layout == "packed"]
         assert weights and {w.dtype for w in weights} == {getattr(torch, name)}, name
         held[name] = sum(w.numel() * w.element_size() for w in weights)
-    assert held["bfloat16"] * 2 == held["float32"]
+    assert held["bfloat16"] * 2 == held["float16"] * 2 == held["float32"]
 
 
 def test_a_synthetic_checkpoint_is_written_in_the_dtype_asked_for(tiny_llama_bf16, tmp_path):
@@ -139,30 +151,33 @@ def test_a_synthetic_checkpoint_is_written_in_the_dtype_asked_for(tiny_llama_bf1
     with safe_open(tiny_llama_bf16 / "model.safetensors", "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     assert json.loads((tiny_llama_bf16 / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    with pytest.raises(ValueError, match="dtype: unknown 'float16'"):
-        write_checkpoint(tmp_path / "x", preset_config("tiny"), dtype="float16")
+    with pytest.raises(ValueError, match="dtype: unknown 'float64'"):
+        write_checkpoint(tmp_path / "x", preset_config("tiny"), dtype="float64")
     assert not (tmp_path / "x").exists()
 
 
 @needs_packed
-def test_a_bf16_gguf_of_a_bfloat16_checkpoint_gives_its_station_the_same_tiles_and_logits(tmp_path):
-    """A bfloat16 checkpoint written as a BF16 GGUF (what llama.cpp runs in `mesh bench vs_llamacpp --model
-    bench-bf16`) loads into bfloat16 tiles of the same values: the same logits bit for bit. (Plain RoPE: a GGUF
-    carries no llama3 scaling.)"""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_narrow_gguf_of_a_narrow_checkpoint_gives_its_station_the_same_tiles_and_logits(tmp_path, dtype):
+    """A bfloat16 (float16) checkpoint written as a BF16 (F16) GGUF (what llama.cpp runs in `mesh bench vs_llamacpp
+    --model bench-bf16`) loads into tiles of that type holding the same values: the same logits bit for bit. (Plain
+    RoPE: a GGUF carries no llama3 scaling.)"""
     from gguf import GGMLQuantizationType
 
     from mesh.core.model.gguf_write import write_gguf
 
+    qtype = GGMLQuantizationType.BF16 if dtype == "bfloat16" else GGMLQuantizationType.F16
+
     cfg = ModelConfig(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
                       rope_theta=10000.0, max_position_embeddings=256)
-    hf_dir = write_checkpoint(tmp_path / "tiny-bf16", cfg, dtype="bfloat16")
-    gguf = write_gguf(hf_dir, tmp_path / "tiny-bf16.gguf", GGMLQuantizationType.BF16)
+    hf_dir = write_checkpoint(tmp_path / "tiny", cfg, dtype=dtype)
+    gguf = write_gguf(hf_dir, tmp_path / "tiny.gguf", qtype)
     ids = torch.tensor([1, 17, 300, 45, 99, 7])
     logits = []
     for source in (hf_dir, gguf):
         station = Station(source, StationSpec(layers=(0, 4)))
-        assert station.model.lm_head.weight.dtype == torch.bfloat16
+        assert station.model.lm_head.weight.dtype == getattr(torch, dtype)
         out = station.forward((WaveEntry(0, 0, len(ids), SamplingParams(max_tokens=4)),), token_ids=ids,
                               want_logits=True)
         logits.append(out.logits)

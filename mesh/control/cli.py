@@ -200,8 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--out", required=True)
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--shards", type=int, default=1, help="split the weights into N safetensors files")
-    init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                      help="how the weights are stored (bfloat16: rounded to it, as published checkpoints are)")
+    init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                      help="how the weights are stored (bfloat16 or float16: rounded to it, as published "
+                      "checkpoints are)")
     init.set_defaults(func=cmd_init_model)
 
     gen = sub.add_parser("generate", help="generate for one prompt on an in-process station")

@@ -1,6 +1,6 @@
 """A range's decoder layers in one native call (csrc/fused_layer.c), set up from outside the model.
 
-On the packed path (mesh.core.model.kernels; float32 or bfloat16 tiles) each layer otherwise costs some twenty
+On the packed path (mesh.core.model.kernels; float32, bfloat16 or float16 tiles) each layer otherwise costs some twenty
 Python calls and small torch ops around its C kernels. `fuse_layers` collects every layer's packed weights once
 into a table of addresses; `FusedLayers.run` then hands a whole wave to C, which loops over the layers calling the
 same kernels on the same inputs in the same order, so a row's bits are the per-op path's. A model whose layers are
@@ -17,15 +17,15 @@ from torch import nn
 from mesh.core.model.kernels import native_rmsnorm, native_rope, native_silu_mul
 from mesh.core.model.llama import DecoderLayer, Linear, LlamaRange, rope_cos_sin
 from mesh.core.model.native import load_native
-from mesh.core.model.packed import PACK_TILE, PACKED_DTYPES, packed_linear
+from mesh.core.model.packed import PACK_TILE, PACKED_DTYPES, PACKED_FORMATS, packed_linear
 
 FIELDS = ("input_norm", "post_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "gate_up_weight",
-          "down_weight", "weight_bytes")  # one row of the weights table, in csrc/fused_layer.c's order
+          "down_weight", "weight_format")  # one row of the weights table, in csrc/fused_layer.c's order
 TIMED_PARTS = ("linears", "attention", "other")  # what `run(..., seconds=)` accumulates, in order
 
 
 def _is_packed(linear: Linear | None) -> bool:
-    """The Linear runs packed_linear on a weight in packed tiles [tiles, K, 64] (float32 or bfloat16)."""
+    """The Linear runs packed_linear on a weight in packed tiles [tiles, K, 64] (float32, bfloat16 or float16)."""
     if linear is None or not (isinstance(linear.kernel, partial) and linear.kernel.func is packed_linear):
         return False
     w = linear.weight
@@ -62,8 +62,8 @@ class FusedLayers:
             rows.append([_address(t) for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                                attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
                                                attn.o_proj.bias, mlp.gate_up_proj.weight, mlp.down_proj.weight)]
-                        + [attn.qkv_proj.weight.dtype.itemsize])
-        self.weights = torch.tensor(rows, dtype=torch.int64)  # [L, len(FIELDS)] addresses, weight bytes
+                        + [PACKED_FORMATS[attn.qkv_proj.weight.dtype]])
+        self.weights = torch.tensor(rows, dtype=torch.int64)  # [L, len(FIELDS)] addresses, tile format
         self.shape = (cfg.hidden_size, len(rows), cfg.rms_norm_eps, cfg.num_attention_heads,
                       cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
         self.lib = load_native()[0]

@@ -84,7 +84,7 @@ class Linear(nn.Linear):
     """nn.Linear whose matmul kernel is chosen from outside (mesh.core.model.kernels); F.linear by default."""
 
     kernel = None  # Callable[[x, weight, bias], out] | None
-    # what `weight` holds: "dense" [out, in], "packed" float32 or bfloat16 tiles, "q8_0"/"q4_0"/"q4_1" blocks
+    # what `weight` holds: "dense" [out, in], "packed" float32/bfloat16/float16 tiles, "q8_0"/"q4_0"/"q4_1" blocks
     weight_layout = "dense"
     quant_rows = None  # the GGUF blocks a loader kept for the packed path (mesh.core.model.quant_linear), until packed
 

@@ -5,9 +5,9 @@ construction and reads the weights at memory speed: each output is one fused mul
 order, threads split only the output features, and the weight is packed once into tiles of 64 output features so
 one call streams it once whatever the row count. `use_packed_linears` packs every Linear of a model (GGUF blocks the
 loader kept go to mesh.core.model.quant_linear's layout instead) into one host_memory.WeightArena, q/k/v and
-gate/up fused into one weight each. A weight whose every value bfloat16 holds exactly (a bfloat16 checkpoint's, read
-as float32) is packed as bfloat16: half the bytes to hold and to stream each call, and the same bits, since the
-kernel widens each weight back to the float32 it was before multiplying.
+gate/up fused into one weight each. A weight whose every value bfloat16 (or else float16) holds exactly (a bfloat16
+or float16 checkpoint's, read as float32) is packed in that type: half the bytes to hold and to stream each call,
+and the same bits, since the kernel widens each weight back to the float32 it was before multiplying.
 """
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ FUSED_PROJECTIONS = ((Attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
 WeightParts = tuple[torch.Tensor, ...] | tuple[QuantRows, ...]  # one weight's rows, part after part
 
 
-PACKED_DTYPES = (torch.float32, torch.bfloat16)  # what a packed tile holds (bfloat16: values it holds exactly)
+# what a packed tile holds (the narrow types: values they hold exactly), as csrc/register_tile.h's WeightFormat
+PACKED_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+PACKED_DTYPES = tuple(PACKED_FORMATS)
 # a bfloat16 tile's column order within each 64-byte line of 32 (csrc/register_tile.h): position 2i holds column i,
 # 2i + 1 column 16 + i, so one 32-bit lane carries a column and the one 16 to its right
 BF16_COLUMNS = torch.tensor([line * 32 + (q // 2 if q % 2 == 0 else 16 + q // 2)
@@ -42,22 +44,40 @@ def exact_in_bfloat16(w: torch.Tensor) -> bool:
     return w.dtype == torch.float32 and not bool((w.contiguous().view(torch.int32) & 0xFFFF).any())
 
 
+def exact_in_float16(w: torch.Tensor) -> bool:
+    """Every value of float32 `w` is a float16's (it comes back from float16 with the same bits): packing it as
+    float16 loses nothing."""
+    return w.dtype == torch.float32 and torch.equal(w.half().float().view(torch.int32), w.view(torch.int32))
+
+
+def narrowest_exact(parts: Sequence[torch.Tensor]) -> torch.dtype:
+    """The packed tile type for these float32 parts: bfloat16 or float16 where every value is exactly one's (bfloat16
+    first: its widening needs no conversion unit), else float32."""
+    for dtype, exact in ((torch.bfloat16, exact_in_bfloat16), (torch.float16, exact_in_float16)):
+        if all(exact(p) for p in parts):
+            return dtype
+    return torch.float32
+
+
 def pack_rows(parts: Sequence[torch.Tensor], out: torch.Tensor | None = None,
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The parts' rows one after another, [N, K] float32 in all -> packed [ceil(N/64), K, 64] of `dtype` (out's where
-    given: float32, or bfloat16 for values it holds exactly, its lines' columns interleaved as BF16_COLUMNS says), the
-    features past N zero; written into `out` where given. A part's whole tiles are copied at once, no concatenated
-    copy made (a bfloat16 tile goes through one float32 copy of the whole weight, then its column order)."""
+    given: float32, or bfloat16 / float16 for values it holds exactly, a bfloat16 line's columns interleaved as
+    BF16_COLUMNS says), the features past N zero; written into `out` where given. A part's whole tiles are copied at
+    once, no concatenated copy made (a narrow tile goes through one float32 copy of the whole weight)."""
     k, n = parts[0].shape[1], sum(p.shape[0] for p in parts)
     tiles = -(-n // PACK_TILE)
     if out is None:
         out = torch.empty(tiles, k, PACK_TILE, dtype=dtype)
     if out.shape != (tiles, k, PACK_TILE) or out.dtype not in PACKED_DTYPES or not out.is_contiguous():
-        raise ValueError(f"pack_rows: out must be contiguous float32 or bfloat16 [{tiles}, {k}, {PACK_TILE}]")
-    if out.dtype == torch.bfloat16:
-        if not all(exact_in_bfloat16(p) for p in parts):
-            raise ValueError("pack_rows: a bfloat16 tile takes only weights whose values bfloat16 holds exactly")
-        out.copy_(pack_rows(parts)[:, :, BF16_COLUMNS])
+        raise ValueError(f"pack_rows: out must be contiguous float32, bfloat16 or float16 [{tiles}, {k}, {PACK_TILE}]")
+    if out.dtype != torch.float32:
+        exact = exact_in_bfloat16 if out.dtype == torch.bfloat16 else exact_in_float16
+        if not all(exact(p) for p in parts):
+            raise ValueError(f"pack_rows: a {out.dtype} tile takes only weights whose values {out.dtype} holds "
+                             "exactly")
+        wide = pack_rows(parts)
+        out.copy_(wide[:, :, BF16_COLUMNS] if out.dtype == torch.bfloat16 else wide)
         return out
     row = 0  # the fused weight's row where the part starts
     for part in parts:
@@ -87,11 +107,12 @@ def pad_bias(b: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int) -> torch.Tensor:
-    """x [T, K] float32 @ packed w [tiles, K, 64] float32 or bfloat16 (+ padded b) -> [T, n] through
-    csrc/packed_linear.c (the same bits either way for the same values)."""
+    """x [T, K] float32 @ packed w [tiles, K, 64] float32, bfloat16 or float16 (+ padded b) -> [T, n] through
+    csrc/packed_linear.c (the same bits whichever for the same values)."""
     lib, x, out = linear_operands(x, n)
     t, k = x.shape
-    kernel = lib.packed_linear_bf16 if w.dtype == torch.bfloat16 else lib.packed_linear_f32
+    kernel = {torch.bfloat16: lib.packed_linear_bf16, torch.float16: lib.packed_linear_f16}.get(
+        w.dtype, lib.packed_linear_f32)
     kernel(x.data_ptr(), t, x.stride(0), k, w.data_ptr(), n, None if b is None else b.data_ptr(), out.data_ptr(),
            torch.get_num_threads())
     return out
@@ -109,16 +130,16 @@ def _weight_parts(linears: Sequence[Linear]) -> WeightParts | None:
 
 
 def _packed_shape(parts: WeightParts) -> tuple[tuple[int, ...], torch.dtype]:
-    """The shape and dtype of the parts' packed weight (bfloat16 tiles where every value is a bfloat16's)."""
+    """The shape and dtype of the parts' packed weight (narrowest_exact: bfloat16 or float16 where every value is
+    exactly one's)."""
     if isinstance(parts[0], QuantRows):
         return (repacked_bytes(parts),), torch.uint8
-    dtype = torch.bfloat16 if all(exact_in_bfloat16(p) for p in parts) else torch.float32
-    return (-(-sum(p.shape[0] for p in parts) // PACK_TILE), parts[0].shape[1], PACK_TILE), dtype
+    return (-(-sum(p.shape[0] for p in parts) // PACK_TILE), parts[0].shape[1], PACK_TILE), narrowest_exact(parts)
 
 
 def _fill(parts: WeightParts, out: torch.Tensor) -> torch.Tensor:
-    """The parts packed into `out`: quant_linear's tiles for GGUF blocks, else packed_linear's float32 or bfloat16
-    tiles (out's dtype)."""
+    """The parts packed into `out`: quant_linear's tiles for GGUF blocks, else packed_linear's float32, bfloat16 or
+    float16 tiles (out's dtype)."""
     return repack(parts, out) if isinstance(parts[0], QuantRows) else pack_rows(parts, out)
 
 

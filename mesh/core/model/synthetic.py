@@ -20,7 +20,8 @@ from mesh.core.config import SUPPORTED_ARCHS, ModelConfig, RopeScaling
 from mesh.core.model.llama import LlamaRange
 from mesh.core.model.tokenizer_gen import write_tokenizer
 
-CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # how a checkpoint's weights are stored
+# how a checkpoint's weights are stored
+CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 PRESETS = {
     # name: (hidden, layers, heads, kv_heads, ffn, vocab, context)
@@ -78,7 +79,7 @@ def random_state(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 def write_checkpoint(out_dir: str | Path, cfg: ModelConfig, seed: int = 0, shards: int = 1,
                      dtype: str = "float32") -> Path:
     """Write a complete HF checkpoint directory for `cfg` (weights, config, tokenizer), its weights stored as
-    `dtype` (bfloat16: random_state's values rounded to it, as most published checkpoints are stored)."""
+    `dtype` (bfloat16 or float16: random_state's values rounded to it, as published checkpoints are stored)."""
     if dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"dtype: unknown {dtype!r}; choose from {', '.join(CHECKPOINT_DTYPES)}")
     out = Path(out_dir)

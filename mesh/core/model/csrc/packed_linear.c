@@ -9,7 +9,8 @@
  * features reads one contiguous stream, each x value is broadcast against it, and a row tile of up to 6 rows
  * keeps its accumulators in registers (register_tile.h); k is walked in blocks of 64 whose weights stay in L1
  * while every row tile passes, so the weight comes from memory once per call whatever T is. A weight whose values
- * bfloat16 holds exactly may be packed as bfloat16 (half the bytes to stream; packed_linear_bf16), same bits.
+ * bfloat16 or float16 holds exactly may be packed so (half the bytes to stream; packed_linear_bf16 / _f16), same
+ * bits.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -22,10 +23,11 @@
 
 float *thread_scratch(int slot, size_t floats); /* layer_ops.c: this thread's reused buffer */
 
-/* The packed linear over weights of wbytes each (constant: 4, float32 tiles; 2, bfloat16 tiles, register_tile.h). */
+/* The packed linear over weights in format fmt (constant; register_tile.h). */
 static inline __attribute__((always_inline)) void packed_linear(const float *x, int64_t T, int64_t ldx, int64_t K,
-                                                                const char *wp, const int wbytes, int64_t N,
+                                                                const char *wp, const WeightFormat fmt, int64_t N,
                                                                 const float *bias, float *out, int threads) {
+    const int64_t wbytes = WBYTES(fmt);
     int64_t tiles = (N + TILE_N - 1) / TILE_N;
     TileClaims claims;
     tile_claims_init(&claims, tiles, threads);
@@ -36,7 +38,7 @@ static inline __attribute__((always_inline)) void packed_linear(const float *x, 
             const char *w = wp + ti * K * TILE_N * wbytes;
             memset(accbuf, 0, (size_t)T * TILE_N * sizeof(float));
             for (int64_t k0 = 0; k0 < K; k0 += BLOCK_K) /* streamed: each weight is read from memory once a call */
-                all_rows_over_block(x + k0, ldx, T, w + k0 * TILE_N * wbytes, wbytes,
+                all_rows_over_block(x + k0, ldx, T, w + k0 * TILE_N * wbytes, fmt,
                                     K - k0 < BLOCK_K ? K - k0 : BLOCK_K, 1, accbuf);
             int64_t n0 = ti * TILE_N;
             int n_valid = (int)(N - n0 < TILE_N ? N - n0 : TILE_N);
@@ -51,19 +53,26 @@ static inline __attribute__((always_inline)) void packed_linear(const float *x, 
  * -> out [T, N] contiguous. */
 void packed_linear_f32(const float *x, int64_t T, int64_t ldx, int64_t K, const float *wp, int64_t N,
                        const float *bias, float *out, int threads) {
-    packed_linear(x, T, ldx, K, (const char *)wp, 4, N, bias, out, threads);
+    packed_linear(x, T, ldx, K, (const char *)wp, WF_F32, N, bias, out, threads);
 }
 
 /* As packed_linear_f32 over wp packed [ceil(N/64)][K][64] bfloat16, each line's 32 columns interleaved
  * (register_tile.h): the bits packed_linear_f32 gives over the same values as float32. */
 void packed_linear_bf16(const float *x, int64_t T, int64_t ldx, int64_t K, const uint16_t *wp, int64_t N,
                         const float *bias, float *out, int threads) {
-    packed_linear(x, T, ldx, K, (const char *)wp, 2, N, bias, out, threads);
+    packed_linear(x, T, ldx, K, (const char *)wp, WF_BF16, N, bias, out, threads);
 }
 
-/* packed_linear_f32 or packed_linear_bf16 by the weight's size (fused_layer.c's layers carry it). */
-void packed_linear_any(const float *x, int64_t T, int64_t ldx, int64_t K, const void *wp, int wbytes, int64_t N,
+/* As packed_linear_f32 over wp packed [ceil(N/64)][K][64] float16 (columns in order): the same bits again. */
+void packed_linear_f16(const float *x, int64_t T, int64_t ldx, int64_t K, const uint16_t *wp, int64_t N,
                        const float *bias, float *out, int threads) {
-    if (wbytes == 2) packed_linear_bf16(x, T, ldx, K, wp, N, bias, out, threads);
+    packed_linear(x, T, ldx, K, (const char *)wp, WF_F16, N, bias, out, threads);
+}
+
+/* packed_linear_f32, _bf16 or _f16 by the weight's format (a WeightFormat; fused_layer.c's layers carry it). */
+void packed_linear_any(const float *x, int64_t T, int64_t ldx, int64_t K, const void *wp, int fmt, int64_t N,
+                       const float *bias, float *out, int threads) {
+    if (fmt == WF_BF16) packed_linear_bf16(x, T, ldx, K, wp, N, bias, out, threads);
+    else if (fmt == WF_F16) packed_linear_f16(x, T, ldx, K, wp, N, bias, out, threads);
     else packed_linear_f32(x, T, ldx, K, wp, N, bias, out, threads);
 }

@@ -130,7 +130,7 @@ static void decode_block(const uint8_t *tile, int64_t gbytes, int qtype, int64_t
 }
 
 static void rows_over_block(const float *x, int64_t ldx, int64_t T, const float *wb, int64_t kb, float *acc) {
-    all_rows_over_block(x, ldx, T, wb, 4, kb, 0, acc);  /* not streamed: the weights are in L1 */
+    all_rows_over_block(x, ldx, T, wb, WF_F32, kb, 0, acc);  /* not streamed: the weights are in L1 */
 }
 
 /* k = k0 .. k0 + n - 1 of one group for few_rows_of: tb rows of x (xg, the group's first k) into the sums a, cv

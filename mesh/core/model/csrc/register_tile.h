@@ -4,11 +4,13 @@
  * Storing and reloading a partial sum leaves its bits as they were, so how k is cut into blocks, how many rows share
  * a tile and how many columns a tile takes at once change no bit.
  *
- * A weight block is float32 (wbytes 4) or bfloat16 (wbytes 2, packed_linear.c's half-size tiles of weights whose
- * values bfloat16 holds exactly): a bfloat16 is a float32's upper 16 bits, so it widens to the same float32 in a
- * register (a shift or a mask) and every multiply-add, hence every bit, is the float32 block's. In a bfloat16 tile
- * each 64-byte line holds 32 columns interleaved (position 2i: column i, 2i + 1: column 16 + i): one 32-bit lane
- * holds a column and the one 16 to its right, so a vector of either comes from one load and one shift or mask.
+ * A weight block is float32, bfloat16 or float16 (`fmt`, a WeightFormat; the half-size tiles packed_linear.c keeps
+ * for weights whose values the narrower type holds exactly): the narrow value widens to the same float32 in a
+ * register, so every multiply-add, hence every bit, is the float32 block's. A bfloat16 is a float32's upper 16 bits
+ * (widened by a shift or a mask): in a bfloat16 tile each 64-byte line holds 32 columns interleaved (position 2i:
+ * column i, 2i + 1: column 16 + i), so one 32-bit lane holds a column and the one 16 to its right and a vector of
+ * either comes from one load and one shift or mask. A float16 tile keeps the columns in order (one conversion
+ * instruction, F16C, widens 16 or 8 of them).
  */
 #ifndef WAVEMESH_REGISTER_TILE_H
 #define WAVEMESH_REGISTER_TILE_H
@@ -32,6 +34,7 @@ typedef __m512i ivec;
 INLINE ivec iload(const void *p) { return _mm512_loadu_si512(p); }
 INLINE vec low_halves(ivec v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
 INLINE vec high_halves(ivec v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000))); }
+INLINE vec halfs(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LANES 8
 #define VREGS 16
@@ -44,9 +47,16 @@ typedef __m256i ivec;
 INLINE ivec iload(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 INLINE vec low_halves(ivec v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 INLINE vec high_halves(ivec v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000))); }
+INLINE vec halfs(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #else
 #error "the native linears need AVX2 with FMA, or AVX-512"
 #endif
+#if !defined(__F16C__)
+#error "the native linears need F16C (every CPU with AVX2 has it)"
+#endif
+
+typedef enum { WF_F32 = 0, WF_BF16 = 1, WF_F16 = 2 } WeightFormat; /* a packed tile's element type */
+#define WBYTES(fmt) ((fmt) == WF_F32 ? 4 : 2)
 
 #define VECS (TILE_N / LANES)
 
@@ -60,10 +70,11 @@ INLINE vec in_register(vec v) {
 #endif
     return v;
 }
-/* Vector j (columns j * LANES on) of one k's weights `row` [64] of wbytes each (constant): a float32 load, or from
- * a bfloat16 line's interleave (above) the lanes' low or high halves widened. */
-INLINE vec wload(const char *row, const int wbytes, int j) {
-    if (wbytes == 4) return vload((const float *)row + j * LANES);
+/* Vector j (columns j * LANES on) of one k's weights `row` [64] in format fmt (constant): a float32 load, float16s
+ * converted, or from a bfloat16 line's interleave (above) the lanes' low or high halves widened. */
+INLINE vec wload(const char *row, const WeightFormat fmt, int j) {
+    if (fmt == WF_F32) return vload((const float *)row + j * LANES);
+    if (fmt == WF_F16) return halfs(row + j * LANES * 2);
     const int col = j * LANES % 32; /* in its line: < 16 the low halves of the lanes from 2 * col, else the high */
     ivec raw = iload(row + (j * LANES / 32) * 64 + (col % 16) * 4);
     return col < 16 ? low_halves(raw) : high_halves(raw);
@@ -140,19 +151,21 @@ INLINE vec wload(const char *row, const int wbytes, int j) {
 #define SPREAD_HINT NEXT_BLOCK_HINT
 #endif
 
-/* tb (constant, <= TILE_T) rows of x (x[i * ldx + k]) over kb weights w [kb][64] of wbytes each (constant, see
+/* tb (constant, <= TILE_T) rows of x (x[i * ldx + k]) over kb weights w [kb][64] in format fmt (constant, see
  * wload), continuing the sums in acc [tb][64], the columns cv vectors at a time (cv constant, dividing VECS). Weights
  * streamed from memory are requested ahead of use: with prefetch > 0 (constant), each pass's columns that many k
  * ahead (< 0: -prefetch k ahead, as non-temporal); with `ahead` (constant), the next kb x 64 weights after w's, line
  * by line in memory order, spread evenly over this call's passes (its k rows with k % parts == part: this tile is
  * number `part` of `parts` sharing the requests; where a k's weights have fewer lines than the tile has passes, as a
- * bfloat16 block's with AVX2, the first passes request a line each and the rest none), with
+ * half-size block's with AVX2, the first passes request a line each and the rest none), with
  * SPREAD_HINT where `ahead` is 2 (the spread requests), else
  * NEXT_BLOCK_HINT (5-12% faster at 4-40 rows with AVX-512, 9-29% with AVX2, than each pass's
  * columns one block ahead, bench/out/linear_stream.txt; non-temporal rather than into L2 on the AVX-512 VM: a 4-row
  * decode wave 10% faster in a station, a 16-row one 3%). */
-INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int cv, const void *w, const int wbytes,
-                          int64_t kb, const int prefetch, const int ahead, int part, int parts, float *acc) {
+INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int cv, const void *w,
+                          const WeightFormat fmt, int64_t kb, const int prefetch, const int ahead, int part, int parts,
+                          float *acc) {
+    const int wbytes = WBYTES(fmt);
     const int line_cols = 64 / wbytes;                   /* columns of a k's weights in one cache line */
     const int k_lines = TILE_N / line_cols;              /* cache lines of a k's weights */
     const int passes = VECS / cv;
@@ -174,7 +187,7 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
             const char *row = wb + k * row_bytes;
             vec wv[VECS];
             for (int j = 0; j < cv; j++) {
-                wv[j] = wload(row, wbytes, c0 + j);
+                wv[j] = wload(row, fmt, c0 + j);
                 /* held in a register where the tile leaves one free: given the choice, GCC reads 3-4 rows'
                  * weights as a memory operand of every multiply-add (one load per FMA: ~60% of the FMA peak
                  * against ~90% so, in L1) */
@@ -214,40 +227,40 @@ INLINE void register_tile(const float *x, int64_t ldx, const int tb, const int c
  * ahead (a block computes long enough for the hardware prefetcher, and further ahead the rows' x push the block out
  * of L1 before its use). With `spread` (constant; SPREAD_ROWS), at any row count, the row tiles of 3-6 rows share
  * the next block's requests instead, each requesting its share as it passes. */
-INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const void *w, const int wbytes, int64_t kb,
-                            const int prefetch, const int ahead, const int spread, float *acc) {
+INLINE void rows_requesting(const float *x, int64_t ldx, int64_t T, const void *w, const WeightFormat fmt,
+                            int64_t kb, const int prefetch, const int ahead, const int spread, float *acc) {
     const int parts = spread ? (int)(T / TILE_T) + (T % TILE_T >= 3) : 1; /* the row tiles that request */
     const int asks = spread ? 2 : ahead; /* 2: the spread requests, with SPREAD_HINT */
     int64_t t = 0;
     for (; t + TILE_T <= T; t += TILE_T)
-        register_tile(x + t * ldx, ldx, TILE_T, CVECS, w, wbytes, kb, prefetch, asks, spread ? (int)(t / TILE_T) : 0,
+        register_tile(x + t * ldx, ldx, TILE_T, CVECS, w, fmt, kb, prefetch, asks, spread ? (int)(t / TILE_T) : 0,
                       parts, acc + t * TILE_N);
     const int last = spread ? parts - 1 : 0;
     switch (T - t) {
         case 5:
-            register_tile(x + t * ldx, ldx, 5, CVECS, w, wbytes, kb, prefetch, asks, last, parts, acc + t * TILE_N);
+            register_tile(x + t * ldx, ldx, 5, CVECS, w, fmt, kb, prefetch, asks, last, parts, acc + t * TILE_N);
             break;
         case 4:
-            register_tile(x + t * ldx, ldx, 4, CVECS, w, wbytes, kb, prefetch, asks, last, parts, acc + t * TILE_N);
+            register_tile(x + t * ldx, ldx, 4, CVECS, w, fmt, kb, prefetch, asks, last, parts, acc + t * TILE_N);
             break;
         case 3:
-            register_tile(x + t * ldx, ldx, 3, CVECS, w, wbytes, kb, prefetch, asks, last, parts, acc + t * TILE_N);
+            register_tile(x + t * ldx, ldx, 3, CVECS, w, fmt, kb, prefetch, asks, last, parts, acc + t * TILE_N);
             break;
-        case 2: register_tile(x + t * ldx, ldx, 2, VECS, w, wbytes, kb, prefetch, 0, 0, 1, acc + t * TILE_N); break;
-        case 1: register_tile(x + t * ldx, ldx, 1, VECS, w, wbytes, kb, prefetch, 0, 0, 1, acc + t * TILE_N); break;
+        case 2: register_tile(x + t * ldx, ldx, 2, VECS, w, fmt, kb, prefetch, 0, 0, 1, acc + t * TILE_N); break;
+        case 1: register_tile(x + t * ldx, ldx, 1, VECS, w, fmt, kb, prefetch, 0, 0, 1, acc + t * TILE_N); break;
         default: break;
     }
 }
 
 /* The request policy above as constants (a distance or a pointer known only at run time costs the 16-register AVX2
  * tile a register and a branch in its k loop: 20-35% slower, measured). kb is 64 where it matters (one block). */
-INLINE void all_rows_over_block(const float *x, int64_t ldx, int64_t T, const void *w, const int wbytes, int64_t kb,
-                                const int streamed, float *acc) {
-    if (!streamed) rows_requesting(x, ldx, T, w, wbytes, kb, 0, 0, 0, acc);
-    else if (T <= 2) rows_requesting(x, ldx, T, w, wbytes, kb, FEW_ROWS_AHEAD, 0, 0, acc);
-    else if (SPREAD_ROWS && T >= SPREAD_ROWS) rows_requesting(x, ldx, T, w, wbytes, kb, 0, 1, 1, acc);
-    else if (T <= 40) rows_requesting(x, ldx, T, w, wbytes, kb, MID_ROWS_PREFETCH, MID_ROWS_AHEAD, 0, acc);
-    else rows_requesting(x, ldx, T, w, wbytes, kb, 16, 0, 0, acc);
+INLINE void all_rows_over_block(const float *x, int64_t ldx, int64_t T, const void *w, const WeightFormat fmt,
+                                int64_t kb, const int streamed, float *acc) {
+    if (!streamed) rows_requesting(x, ldx, T, w, fmt, kb, 0, 0, 0, acc);
+    else if (T <= 2) rows_requesting(x, ldx, T, w, fmt, kb, FEW_ROWS_AHEAD, 0, 0, acc);
+    else if (SPREAD_ROWS && T >= SPREAD_ROWS) rows_requesting(x, ldx, T, w, fmt, kb, 0, 1, 1, acc);
+    else if (T <= 40) rows_requesting(x, ldx, T, w, fmt, kb, MID_ROWS_PREFETCH, MID_ROWS_AHEAD, 0, acc);
+    else rows_requesting(x, ldx, T, w, fmt, kb, 16, 0, 0, acc);
 }
 
 #endif
