@@ -42,6 +42,11 @@ def build(src: Path, out: Path) -> ctypes.CDLL:
     with the station's argument types (native.SIGNATURES)."""
     build_library(shutil.which("cc") or "gcc", out, tuple(sorted(src.glob("*.c"))))
     lib = ctypes.CDLL(str(out))
+    missing = [name for name in SIGNATURES if not hasattr(lib, name)]
+    if missing:  # an older revision's kernels: their calls (and the fused layers' table) differ from these
+        raise SystemExit(f"the kernels in {src} lack {', '.join(missing)}: they predate the station's native "
+                         "interface (session 46 added narrow tiles and the fused table's tile format); compare "
+                         "against a later revision")
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
