@@ -39,15 +39,28 @@ BF16_COLUMNS = torch.tensor([line * 32 + (q // 2 if q % 2 == 0 else 16 + q // 2)
                              for line in range(PACK_TILE // 32) for q in range(32)])
 
 
+SAMPLE_VALUES = 4096  # a weight's first values, checked before all of them: a float32 weight fails there at once
+
+
+def _bfloat16_bits(w: torch.Tensor) -> bool:
+    return not bool((w.view(torch.int32) & 0xFFFF).any())
+
+
+def _float16_bits(w: torch.Tensor) -> bool:
+    return torch.equal(w.half().float().view(torch.int32), w.view(torch.int32))
+
+
 def exact_in_bfloat16(w: torch.Tensor) -> bool:
     """Every value of float32 `w` is a bfloat16's (its low 16 bits zero): packing it as bfloat16 loses nothing."""
-    return w.dtype == torch.float32 and not bool((w.contiguous().view(torch.int32) & 0xFFFF).any())
+    flat = w.contiguous().view(-1)
+    return w.dtype == torch.float32 and _bfloat16_bits(flat[:SAMPLE_VALUES]) and _bfloat16_bits(flat)
 
 
 def exact_in_float16(w: torch.Tensor) -> bool:
     """Every value of float32 `w` is a float16's (it comes back from float16 with the same bits): packing it as
     float16 loses nothing."""
-    return w.dtype == torch.float32 and torch.equal(w.half().float().view(torch.int32), w.view(torch.int32))
+    flat = w.contiguous().view(-1)
+    return w.dtype == torch.float32 and _float16_bits(flat[:SAMPLE_VALUES]) and _float16_bits(flat)
 
 
 def narrowest_exact(parts: Sequence[torch.Tensor]) -> torch.dtype:
