@@ -43,7 +43,8 @@ SAMPLE_VALUES = 4096  # a weight's first values, checked before all of them: a f
 
 
 def _bfloat16_bits(w: torch.Tensor) -> bool:
-    return not bool((w.view(torch.int32) & 0xFFFF).any())
+    """w (flat float32): every value's low 16 bits zero (x86 is little-endian: the even int16 halves)."""
+    return not bool(w.view(torch.int16)[0::2].any())
 
 
 def _float16_bits(w: torch.Tensor) -> bool:
@@ -73,25 +74,24 @@ def narrowest_exact(parts: Sequence[torch.Tensor]) -> torch.dtype:
 
 
 def pack_rows(parts: Sequence[torch.Tensor], out: torch.Tensor | None = None,
-              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              dtype: torch.dtype = torch.float32, checked: bool = False) -> torch.Tensor:
     """The parts' rows one after another, [N, K] float32 in all -> packed [ceil(N/64), K, 64] of `dtype` (out's where
-    given: float32, or bfloat16 / float16 for values it holds exactly, a bfloat16 line's columns interleaved as
-    BF16_COLUMNS says), the features past N zero; written into `out` where given. A part's whole tiles are copied at
-    once, no concatenated copy made (a narrow tile goes through one float32 copy of the whole weight)."""
+    given: float32, or bfloat16 / float16 for values it holds exactly, checked unless `checked` says the caller did;
+    a bfloat16 line's columns interleaved as BF16_COLUMNS says), the features past N zero; written into `out` where
+    given. A part's whole tiles are copied at once, no concatenated copy made (a bfloat16 weight goes through one
+    bfloat16 copy in column order)."""
     k, n = parts[0].shape[1], sum(p.shape[0] for p in parts)
     tiles = -(-n // PACK_TILE)
     if out is None:
         out = torch.empty(tiles, k, PACK_TILE, dtype=dtype)
     if out.shape != (tiles, k, PACK_TILE) or out.dtype not in PACKED_DTYPES or not out.is_contiguous():
         raise ValueError(f"pack_rows: out must be contiguous float32, bfloat16 or float16 [{tiles}, {k}, {PACK_TILE}]")
-    if out.dtype != torch.float32:
+    if out.dtype != torch.float32 and not checked:
         exact = exact_in_bfloat16 if out.dtype == torch.bfloat16 else exact_in_float16
         if not all(exact(p) for p in parts):
             raise ValueError(f"pack_rows: a {out.dtype} tile takes only weights whose values {out.dtype} holds "
                              "exactly")
-        wide = pack_rows(parts)
-        out.copy_(wide[:, :, BF16_COLUMNS] if out.dtype == torch.bfloat16 else wide)
-        return out
+    ordered = out if out.dtype != torch.bfloat16 else torch.empty_like(out)  # the columns in order
     row = 0  # the fused weight's row where the part starts
     for part in parts:
         done = 0
@@ -100,15 +100,17 @@ def pack_rows(parts: Sequence[torch.Tensor], out: torch.Tensor | None = None,
             whole = (part.shape[0] - done) // PACK_TILE if col == 0 else 0
             if whole:  # whole tiles: [m, 64, K] rows -> [m, K, 64]
                 rows = part[done:done + whole * PACK_TILE].reshape(whole, PACK_TILE, k)
-                out[tile:tile + whole].copy_(rows.transpose(1, 2))
+                ordered[tile:tile + whole].copy_(rows.transpose(1, 2))
                 done += whole * PACK_TILE
             else:  # the rows that share a tile with the part before or after
                 take = min(PACK_TILE - col, part.shape[0] - done)
-                out[tile, :, col:col + take].copy_(part[done:done + take].T)
+                ordered[tile, :, col:col + take].copy_(part[done:done + take].T)
                 done += take
         row += part.shape[0]
     if n % PACK_TILE:
-        out[-1, :, n % PACK_TILE:].zero_()
+        ordered[-1, :, n % PACK_TILE:].zero_()
+    if ordered is not out:  # BF16_COLUMNS' order in one strided pass: (line, i, half) <- (line, half, i)
+        out.view(tiles, k, PACK_TILE // 32, 16, 2).copy_(ordered.view(tiles, k, PACK_TILE // 32, 2, 16).transpose(3, 4))
     return out
 
 
@@ -152,8 +154,8 @@ def _packed_shape(parts: WeightParts) -> tuple[tuple[int, ...], torch.dtype]:
 
 def _fill(parts: WeightParts, out: torch.Tensor) -> torch.Tensor:
     """The parts packed into `out`: quant_linear's tiles for GGUF blocks, else packed_linear's float32, bfloat16 or
-    float16 tiles (out's dtype)."""
-    return repack(parts, out) if isinstance(parts[0], QuantRows) else pack_rows(parts, out)
+    float16 tiles (out's dtype, which _packed_shape chose by checking every value)."""
+    return repack(parts, out) if isinstance(parts[0], QuantRows) else pack_rows(parts, out, checked=True)
 
 
 def _point(linear: Linear, parts: WeightParts, weight: torch.Tensor) -> None:
