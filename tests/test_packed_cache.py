@@ -197,3 +197,19 @@ def test_a_store_that_would_nearly_fill_the_disk_writes_nothing(q4_gguf, tmp_pat
     assert torch.equal(_run([_station(q4_gguf, (0, 4), cache)]), reference)  # serves all the same
     assert list(PackedCache.for_gguf(cache, q4_gguf).directory.glob("*.bin")) == []
     assert "not stored" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("qtype,dtype", [(Q.F16, torch.float16), (Q.BF16, torch.bfloat16)])
+def test_narrow_tiles_are_cached_and_mapped_as_they_were_packed(tmp_path, qtype, dtype):
+    """A GGUF's F16 / BF16 matrices are packed into float16 / bfloat16 tiles (their values exactly); a later station
+    maps those tiles from the cache, of the same type, and gives the same logits."""
+    ckpt = write_checkpoint(tmp_path / "tiny", CFG, dtype="float16" if qtype == Q.F16 else "bfloat16")
+    gguf = write_gguf(ckpt, tmp_path / f"tiny-{qtype.name}.gguf", qtype)
+    cache = tmp_path / "cache"
+    first = _station(gguf, (0, 4), cache)
+    second = _station(gguf, (0, 4), cache)
+    assert (second.stats().packed_mapped, second.stats().packed_at_load) == (5, 0)
+    for station in (first, second):
+        held = {m.weight.dtype for m in station.model.modules() if getattr(m, "weight_layout", "") == "packed"}
+        assert held == {dtype}
+    assert torch.equal(_run([second]), _run([first]))
