@@ -194,8 +194,9 @@ def _embedding_bytes(embedding: torch.nn.Module) -> int:
 
 def decode_step_bytes(station: Station) -> tuple[int, int]:
     """(the weight bytes a full-model station holds, those one decode step reads), as it holds them: packed tiles
-    in float32 or bfloat16, GGUF blocks kept, dense tables. A step reads every weight but the embedding table, of
-    which only its B rows (not counted); a head that IS the embedding table (tied, not packed apart) reads it whole."""
+    in float32, bfloat16 or float16, GGUF blocks kept, dense tables. A step reads every weight but the embedding
+    table, of which only its B rows (not counted); a head that IS the embedding table (tied, not packed apart) reads
+    it whole."""
     embedding = station.model.model.embed_tokens
     held = sum(p.numel() * p.element_size() for p in station.model.parameters() if p.device.type != "meta")
     if isinstance(embedding, QuantEmbedding):

@@ -21,6 +21,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from mesh.control.cli import resolve_model
+from mesh.control.cli_cluster import wavemesh_cache
 from mesh.core.model.gguf_convert import SMOLLM2
 from mesh.core.model.gguf_write import write_gguf
 from mesh.core.model.synthetic import builtin_model
@@ -43,7 +44,7 @@ GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 
 def peer_cache() -> Path:
     """Where the llama.cpp build and the GGUF copies live: under $WAVEMESH_CACHE (as `mesh` reads it), outside the repo."""
-    return Path(os.environ.get("WAVEMESH_CACHE", Path.home() / ".cache" / "wavemesh")) / "llamacpp"
+    return wavemesh_cache() / "llamacpp"
 
 
 def peer_binaries(bin_dir: str | None) -> Path:
@@ -68,7 +69,7 @@ def model_pair(model: str) -> tuple[Path, Path]:
     GGUF."""
     qtype = GGUF_TYPES.get(model, GGMLQuantizationType.F32)
     if qtype == GGMLQuantizationType.BF16:
-        model_dir = builtin_model(peer_cache().parent / "models", MODELS[model], dtype="bfloat16")
+        model_dir = builtin_model(wavemesh_cache() / "models", MODELS[model], dtype="bfloat16")
     else:
         model_dir = resolve_model(None, MODELS[model])
     gguf = peer_cache() / "models" / f"{model}.{qtype.name}.gguf"

@@ -115,8 +115,7 @@ def build_library(compiler: str, target: Path, sources: tuple[Path, ...] = SOURC
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # every exported function's argument types (all return void)
     "packed_linear_f32": [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT],
-    "packed_linear_bf16": [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT],
-    "packed_linear_f16": [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT],
+    "packed_linear_any": [_PTR, _I64, _I64, _I64, _PTR, _INT, _I64, _PTR, _PTR, _INT],
     "quant_repack": [_PTR, _PTR, _PTR, _INT, _I64, _INT, _PTR, _INT],
     "gguf_skip_strings": [_PTR, _I64, _I64, _I64, _PTR],
     "quant_linear_f32": [_PTR, _I64, _I64, _I64, _PTR, _INT, _I64, _PTR, _PTR, _INT],

@@ -33,12 +33,6 @@ WeightParts = tuple[torch.Tensor, ...] | tuple[QuantRows, ...]  # one weight's r
 # what a packed tile holds (the narrow types: values they hold exactly), as csrc/register_tile.h's WeightFormat
 PACKED_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 PACKED_DTYPES = tuple(PACKED_FORMATS)
-# a bfloat16 tile's column order within each 64-byte line of 32 (csrc/register_tile.h): position 2i holds column i,
-# 2i + 1 column 16 + i, so one 32-bit lane carries a column and the one 16 to its right
-BF16_COLUMNS = torch.tensor([line * 32 + (q // 2 if q % 2 == 0 else 16 + q // 2)
-                             for line in range(PACK_TILE // 32) for q in range(32)])
-
-
 SAMPLE_VALUES = 4096  # a weight's first values, checked before all of them: a float32 weight fails there at once
 
 
@@ -48,27 +42,25 @@ def _bfloat16_bits(w: torch.Tensor) -> bool:
 
 
 def _float16_bits(w: torch.Tensor) -> bool:
+    """w (flat float32): every value comes back from float16 with the same bits."""
     return torch.equal(w.half().float().view(torch.int32), w.view(torch.int32))
 
 
-def exact_in_bfloat16(w: torch.Tensor) -> bool:
-    """Every value of float32 `w` is a bfloat16's (its low 16 bits zero): packing it as bfloat16 loses nothing."""
-    flat = w.contiguous().view(-1)
-    return w.dtype == torch.float32 and _bfloat16_bits(flat[:SAMPLE_VALUES]) and _bfloat16_bits(flat)
+NARROW_HOLDS = {torch.bfloat16: _bfloat16_bits, torch.float16: _float16_bits}  # in the order narrowest_exact tries
 
 
-def exact_in_float16(w: torch.Tensor) -> bool:
-    """Every value of float32 `w` is a float16's (it comes back from float16 with the same bits): packing it as
-    float16 loses nothing."""
+def exact_in(w: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Every value of float32 `w` is one of `dtype` (bfloat16 or float16): packing it so loses nothing."""
     flat = w.contiguous().view(-1)
-    return w.dtype == torch.float32 and _float16_bits(flat[:SAMPLE_VALUES]) and _float16_bits(flat)
+    holds = NARROW_HOLDS[dtype]
+    return w.dtype == torch.float32 and holds(flat[:SAMPLE_VALUES]) and holds(flat)
 
 
 def narrowest_exact(parts: Sequence[torch.Tensor]) -> torch.dtype:
     """The packed tile type for these float32 parts: bfloat16 or float16 where every value is exactly one's (bfloat16
     first: its widening needs no conversion unit), else float32."""
-    for dtype, exact in ((torch.bfloat16, exact_in_bfloat16), (torch.float16, exact_in_float16)):
-        if all(exact(p) for p in parts):
+    for dtype in NARROW_HOLDS:
+        if all(exact_in(p, dtype) for p in parts):
             return dtype
     return torch.float32
 
@@ -77,7 +69,8 @@ def pack_rows(parts: Sequence[torch.Tensor], out: torch.Tensor | None = None,
               dtype: torch.dtype = torch.float32, checked: bool = False) -> torch.Tensor:
     """The parts' rows one after another, [N, K] float32 in all -> packed [ceil(N/64), K, 64] of `dtype` (out's where
     given: float32, or bfloat16 / float16 for values it holds exactly, checked unless `checked` says the caller did;
-    a bfloat16 line's columns interleaved as BF16_COLUMNS says), the features past N zero; written into `out` where
+    in a bfloat16 tile each 64-byte line of 32 columns interleaved, position 2i column i and 2i + 1 column 16 + i, as
+    csrc/register_tile.h reads it), the features past N zero; written into `out` where
     given. A part's whole tiles are copied at once, no concatenated copy made (a bfloat16 weight goes through one
     bfloat16 copy in column order)."""
     k, n = parts[0].shape[1], sum(p.shape[0] for p in parts)
@@ -87,8 +80,7 @@ def pack_rows(parts: Sequence[torch.Tensor], out: torch.Tensor | None = None,
     if out.shape != (tiles, k, PACK_TILE) or out.dtype not in PACKED_DTYPES or not out.is_contiguous():
         raise ValueError(f"pack_rows: out must be contiguous float32, bfloat16 or float16 [{tiles}, {k}, {PACK_TILE}]")
     if out.dtype != torch.float32 and not checked:
-        exact = exact_in_bfloat16 if out.dtype == torch.bfloat16 else exact_in_float16
-        if not all(exact(p) for p in parts):
+        if not all(exact_in(p, out.dtype) for p in parts):
             raise ValueError(f"pack_rows: a {out.dtype} tile takes only weights whose values {out.dtype} holds "
                              "exactly")
     ordered = out if out.dtype != torch.bfloat16 else torch.empty_like(out)  # the columns in order
@@ -109,8 +101,9 @@ def pack_rows(parts: Sequence[torch.Tensor], out: torch.Tensor | None = None,
         row += part.shape[0]
     if n % PACK_TILE:
         ordered[-1, :, n % PACK_TILE:].zero_()
-    if ordered is not out:  # BF16_COLUMNS' order in one strided pass: (line, i, half) <- (line, half, i)
-        out.view(tiles, k, PACK_TILE // 32, 16, 2).copy_(ordered.view(tiles, k, PACK_TILE // 32, 2, 16).transpose(3, 4))
+    if ordered is not out:  # the interleave in one strided pass: (line, i, half) <- (line, half, i)
+        out.view(tiles, k, PACK_TILE // 32, 16, 2).copy_(
+            ordered.view(tiles, k, PACK_TILE // 32, 2, 16).transpose(3, 4))
     return out
 
 
@@ -126,10 +119,8 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: i
     csrc/packed_linear.c (the same bits whichever for the same values)."""
     lib, x, out = linear_operands(x, n)
     t, k = x.shape
-    kernel = {torch.bfloat16: lib.packed_linear_bf16, torch.float16: lib.packed_linear_f16}.get(
-        w.dtype, lib.packed_linear_f32)
-    kernel(x.data_ptr(), t, x.stride(0), k, w.data_ptr(), n, None if b is None else b.data_ptr(), out.data_ptr(),
-           torch.get_num_threads())
+    lib.packed_linear_any(x.data_ptr(), t, x.stride(0), k, w.data_ptr(), PACKED_FORMATS[w.dtype], n,
+                          None if b is None else b.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
 
 

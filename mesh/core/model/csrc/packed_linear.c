@@ -9,8 +9,7 @@
  * features reads one contiguous stream, each x value is broadcast against it, and a row tile of up to 6 rows
  * keeps its accumulators in registers (register_tile.h); k is walked in blocks of 64 whose weights stay in L1
  * while every row tile passes, so the weight comes from memory once per call whatever T is. A weight whose values
- * bfloat16 or float16 holds exactly may be packed so (half the bytes to stream; packed_linear_bf16 / _f16), same
- * bits.
+ * bfloat16 or float16 holds exactly may be packed so (half the bytes to stream; packed_linear_any), same bits.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -56,23 +55,12 @@ void packed_linear_f32(const float *x, int64_t T, int64_t ldx, int64_t K, const 
     packed_linear(x, T, ldx, K, (const char *)wp, WF_F32, N, bias, out, threads);
 }
 
-/* As packed_linear_f32 over wp packed [ceil(N/64)][K][64] bfloat16, each line's 32 columns interleaved
- * (register_tile.h): the bits packed_linear_f32 gives over the same values as float32. */
-void packed_linear_bf16(const float *x, int64_t T, int64_t ldx, int64_t K, const uint16_t *wp, int64_t N,
-                        const float *bias, float *out, int threads) {
-    packed_linear(x, T, ldx, K, (const char *)wp, WF_BF16, N, bias, out, threads);
-}
-
-/* As packed_linear_f32 over wp packed [ceil(N/64)][K][64] float16 (columns in order): the same bits again. */
-void packed_linear_f16(const float *x, int64_t T, int64_t ldx, int64_t K, const uint16_t *wp, int64_t N,
-                       const float *bias, float *out, int threads) {
-    packed_linear(x, T, ldx, K, (const char *)wp, WF_F16, N, bias, out, threads);
-}
-
-/* packed_linear_f32, _bf16 or _f16 by the weight's format (a WeightFormat; fused_layer.c's layers carry it). */
+/* As packed_linear_f32 over wp packed [ceil(N/64)][K][64] in format fmt (a WeightFormat: float32; bfloat16, each
+ * line's 32 columns interleaved; float16, columns in order; register_tile.h): the bits packed_linear_f32 gives over
+ * the same values as float32. The Python path and fused_layer.c call this one. */
 void packed_linear_any(const float *x, int64_t T, int64_t ldx, int64_t K, const void *wp, int fmt, int64_t N,
                        const float *bias, float *out, int threads) {
-    if (fmt == WF_BF16) packed_linear_bf16(x, T, ldx, K, wp, N, bias, out, threads);
-    else if (fmt == WF_F16) packed_linear_f16(x, T, ldx, K, wp, N, bias, out, threads);
-    else packed_linear_f32(x, T, ldx, K, wp, N, bias, out, threads);
+    if (fmt == WF_BF16) packed_linear(x, T, ldx, K, wp, WF_BF16, N, bias, out, threads);
+    else if (fmt == WF_F16) packed_linear(x, T, ldx, K, wp, WF_F16, N, bias, out, threads);
+    else packed_linear(x, T, ldx, K, wp, WF_F32, N, bias, out, threads);
 }

@@ -33,7 +33,9 @@ INLINE void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 typedef __m512i ivec;
 INLINE ivec iload(const void *p) { return _mm512_loadu_si512(p); }
 INLINE vec low_halves(ivec v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
-INLINE vec high_halves(ivec v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000))); }
+INLINE vec high_halves(ivec v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000)));
+}
 INLINE vec halfs(const void *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LANES 8
@@ -46,7 +48,9 @@ INLINE void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
 typedef __m256i ivec;
 INLINE ivec iload(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 INLINE vec low_halves(ivec v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
-INLINE vec high_halves(ivec v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000))); }
+INLINE vec high_halves(ivec v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000)));
+}
 INLINE vec halfs(const void *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #else
 #error "the native linears need AVX2 with FMA, or AVX-512"
