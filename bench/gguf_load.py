@@ -75,7 +75,7 @@ def _cold_gguf(fn):
 def _station_load(path: Path, cfg: ModelConfig, start: int, end: int, backend: str, keep_quantized: bool,
                   cache: PackedCache | None = None):
     """load_range then the kernels' set-up, as Station._load does."""
-    model, report = load_range(path, cfg, start, end, keep_quantized=keep_quantized)
+    model, report = load_range(path, cfg, start, end, for_packed=keep_quantized)
     use_linear_backend(model, backend, torch.device("cpu"), torch.float32, packed_cache=cache)
     return model, report
 

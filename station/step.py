@@ -75,7 +75,7 @@ class Station:
         spec = self.spec
         backend = resolve_linear_backend(spec.linear_backend, self.device, self.dtype)
         self.model, self.load_report = load_range(self.model_dir, self.config, spec.start, spec.end, spec.dtype,
-                                                  spec.device, keep_quantized=backend == "packed")
+                                                  spec.device, for_packed=backend == "packed")
         cache = (PackedCache.for_gguf(spec.packed_cache, self.model_dir)
                  if backend == "packed" and spec.packed_cache and is_gguf(self.model_dir) else None)
         self.packed_cache_dir = None if cache is None else cache.directory

@@ -103,6 +103,14 @@ def test_narrow_tiles_take_only_values_their_type_holds(dtype):
     assert narrowest_exact([w]) == torch.float32
     assert narrowest_exact([torch.tensor([[1.5, float("nan")]])]) == torch.bfloat16  # NaN's bits are kept
     assert narrowest_exact([torch.tensor([[1.0 + 2 ** -10, 65504.0]])]) == torch.float16
+    # a file's narrow matrix (the loader keeps it so): its own type without a look, the other type by its values
+    assert narrowest_exact([w.to(torch.bfloat16)]) == torch.bfloat16
+    assert narrowest_exact([torch.tensor([[1.0 + 2 ** -10]]).half()]) == torch.float16  # bfloat16 cannot hold it
+    assert narrowest_exact([torch.tensor([[1.0, 0.5]]).half()]) == torch.bfloat16  # float16 values bfloat16 holds
+    # parts of both types (a mixed file's fused q/k/v): the type that holds every part's values, else float32
+    assert narrowest_exact([torch.tensor([[1.0, 2.0 ** -30]]).bfloat16(), torch.tensor([[0.5]]).half()]) == torch.bfloat16
+    assert narrowest_exact([torch.tensor([[1.0, 0.25]]).bfloat16(), torch.tensor([[1 + 2 ** -10]]).half()]) == torch.float16
+    assert narrowest_exact([torch.tensor([[2.0 ** -30]]).bfloat16(), torch.tensor([[1 + 2 ** -10]]).half()]) == torch.float32
 
 
 @needs_packed
@@ -129,8 +137,8 @@ def test_narrow_tiles_give_every_row_the_bits_of_float32_tiles(n, k, dtype):
 
 @needs_packed
 def test_a_narrow_checkpoint_is_held_in_tiles_of_its_type_in_half_the_bytes(tiny_llama, tiny_llama_bf16, tmp_path):
-    """The loader reads a bfloat16 or float16 checkpoint as float32; packing keeps every linear in tiles of that type
-    (half the float32 checkpoint's packed bytes), while float32 values neither holds stay float32."""
+    """A bfloat16 or float16 checkpoint's every linear is held in tiles of that type (half the float32 checkpoint's
+    packed bytes), while float32 values neither holds stay float32."""
     tiny_f16 = write_checkpoint(tmp_path / "tiny-f16", preset_config("tiny"), dtype="float16")
     held = {}
     for name, path in (("float32", tiny_llama), ("bfloat16", tiny_llama_bf16), ("float16", tiny_f16)):
@@ -139,6 +147,44 @@ def test_a_narrow_checkpoint_is_held_in_tiles_of_its_type_in_half_the_bytes(tiny
         assert weights and {w.dtype for w in weights} == {getattr(torch, name)}, name
         held[name] = sum(w.numel() * w.element_size() for w in weights)
     assert held["bfloat16"] * 2 == held["float16"] * 2 == held["float32"]
+
+
+@needs_packed
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_narrow_checkpoints_matrices_skip_the_float32_cast_with_the_same_tiles_and_logits(tmp_path, monkeypatch,
+                                                                                          dtype, arch):
+    """For the packed backend the loader keeps a bfloat16 (float16) file's linear matrices in their type, so that
+    they are packed as they are (no float32 copy, no look at every value); the embedding, the norms, the biases and a
+    head tied to the embedding are cast to float32 as before. The station holds the tiles, hence gives the logits,
+    of a load that casts everything to float32 first, bit for bit."""
+    from mesh.core.model import loader
+
+    cfg = preset_config("tiny", arch)
+    path = write_checkpoint(tmp_path / f"tiny-{arch}", cfg, dtype=dtype)
+    narrow = getattr(torch, dtype)
+    model, _ = load_range(path, cfg, 0, cfg.num_hidden_layers, for_packed=True)
+    linear_weights = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear)}
+    for name, p in model.named_parameters():
+        tied = name == "lm_head.weight" and cfg.tie_word_embeddings
+        assert p.dtype == (narrow if name in linear_weights and not tied else torch.float32), name
+    if cfg.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # one float32 tensor
+    plain, _ = load_range(path, cfg, 0, cfg.num_hidden_layers)  # another backend's load: everything float32
+    assert {p.dtype for p in plain.parameters()} == {torch.float32}
+
+    ids = torch.tensor([1, 17, 300, 45, 99, 7])
+    wave = (WaveEntry(0, 0, len(ids), SamplingParams(max_tokens=4)),)
+    held, logits = [], []
+    for cast_first in (False, True):
+        if cast_first:
+            monkeypatch.setattr(loader, "NARROW_DTYPES", ())  # the load before: float32 first, narrowed when packed
+        station = Station(path, StationSpec(layers=(0, cfg.num_hidden_layers)))
+        held.append([m.weight for m in station.model.modules() if isinstance(m, Linear) and m.weight_layout == "packed"])
+        logits.append(station.forward(wave, token_ids=ids, want_logits=True).logits)
+    assert len(held[0]) == len(held[1]) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*held))
+    assert {w.dtype for w in held[0]} == {narrow}
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_a_synthetic_checkpoint_is_written_in_the_dtype_asked_for(tiny_llama_bf16, tmp_path):

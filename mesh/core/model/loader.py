@@ -19,11 +19,12 @@ from torch import nn
 
 from mesh.core.config import ModelConfig
 from mesh.core.model.gguf_file import GGUFCheckpoint, is_gguf
-from mesh.core.model.llama import LlamaRange
+from mesh.core.model.llama import Linear, LlamaRange
 from mesh.core.model.quant_linear import KERNEL_CODES, QuantEmbedding, QuantRows
 from mesh.core.torch_dtypes import TORCH_DTYPES
 
 TIED_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
+NARROW_DTYPES = (torch.bfloat16, torch.float16)  # a file's matrix types the packed tiles hold as they are
 
 
 class CheckpointError(ValueError):
@@ -60,12 +61,15 @@ def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
 
 
 def load_range(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, dtype: str = "float32",
-               device: str = "cpu", keep_quantized: bool = False) -> tuple[LlamaRange, LoadReport]:
+               device: str = "cpu", for_packed: bool = False) -> tuple[LlamaRange, LoadReport]:
     """Build layers [start, end) on meta and assign their tensors from the checkpoint.
 
-    `keep_quantized` (a GGUF, float32 on CPU, for the packed backend): Q8_0 / Q4_0 / Q4_1 matrices stay as the
-    file's blocks, the Linears' `quant_rows` (their weights stay on meta until kernels.use_packed_linears repacks
-    them) and the embedding a QuantEmbedding, which dequantizes the rows it looks up."""
+    `for_packed` (float32 on CPU, for the packed backend, which repacks every Linear's weight:
+    kernels.use_packed_linears): the Linears' matrices stay in the file's form where the packed kernels read it. A
+    GGUF's Q8_0 / Q4_0 / Q4_1 matrices stay as the file's blocks, the Linears' `quant_rows` (their weights stay on
+    meta until they are repacked) and the embedding a QuantEmbedding, which dequantizes the rows it looks up; a
+    safetensors matrix stored in bfloat16 or float16 stays in that type (packed as such, every value exactly the
+    float32 it would have been cast to), not cast to float32 first. Everything else is cast to `dtype`."""
     if dtype not in TORCH_DTYPES:
         raise CheckpointError(f"dtype: unsupported {dtype!r}")
     torch_dtype = TORCH_DTYPES[dtype]
@@ -73,11 +77,12 @@ def load_range(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, dt
         model = LlamaRange(cfg, start, end)
     wanted = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     quant: dict[str, QuantRows] = {}
+    keep = for_packed and torch_dtype == torch.float32 and device == "cpu"
     if is_gguf(model_dir):
-        keep = keep_quantized and torch_dtype == torch.float32 and device == "cpu"
         state, read = _read_gguf(model_dir, cfg, wanted, torch_dtype, device, quant if keep else None)
     else:
-        state, read = _read_safetensors(model_dir, cfg, wanted, torch_dtype, device)
+        matrices = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear)} if keep else set()
+        state, read = _read_safetensors(model_dir, cfg, wanted, torch_dtype, device, matrices)
     result = model.load_state_dict(state, strict=not quant, assign=True)  # weights kept quantized stay on meta
     if quant and (result.unexpected_keys or set(result.missing_keys) != set(quant)):
         raise CheckpointError(f"{model_dir}: the tensors read do not cover the layers' parameters "
@@ -96,9 +101,11 @@ def load_range(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, dt
 
 
 def _read_safetensors(model_dir: str | Path, cfg: ModelConfig, wanted: dict[str, tuple[int, ...]],
-                      torch_dtype: torch.dtype, device: str) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+                      torch_dtype: torch.dtype, device: str, keep_narrow: set[str] = frozenset()
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """The wanted tensors (by parameter name) and the bytes of each checkpoint tensor read, once cast (by source
-    name)."""
+    name); those named in `keep_narrow` stay bfloat16 / float16 where the file holds them so (a tied head shares
+    the embedding's cast tensor)."""
     files = checkpoint_index(model_dir)
     sources = {name: _source_name(name, files, cfg) for name in wanted}
     by_file: dict[Path, list[str]] = {}
@@ -118,7 +125,8 @@ def _read_safetensors(model_dir: str | Path, cfg: ModelConfig, wanted: dict[str,
                                           f"expected {list(wanted[name])}")
                 if not t.is_floating_point():
                     raise CheckpointError(f"{path.name}: tensor {sources[name]} has non-float dtype {t.dtype}")
-                state[name] = loaded[sources[name]] = t.to(device=device, dtype=torch_dtype)
+                narrow = name in keep_narrow and sources[name] != EMBED and t.dtype in NARROW_DTYPES
+                state[name] = loaded[sources[name]] = t.to(device=device, dtype=t.dtype if narrow else torch_dtype)
     return state, {src: t.numel() * t.element_size() for src, t in loaded.items()}
 
 

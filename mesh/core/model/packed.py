@@ -50,15 +50,23 @@ NARROW_HOLDS = {torch.bfloat16: _bfloat16_bits, torch.float16: _float16_bits}  #
 
 
 def exact_in(w: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Every value of float32 `w` is one of `dtype` (bfloat16 or float16): packing it so loses nothing."""
+    """Every value of `w` (float32, bfloat16 or float16) is one of `dtype` (bfloat16 or float16): packing it so
+    loses nothing. A weight of that type is, without a look (the loader keeps a file's narrow matrices so)."""
+    if w.dtype == dtype:
+        return True
+    if w.dtype not in PACKED_DTYPES:
+        return False
     flat = w.contiguous().view(-1)
+    if w.dtype != torch.float32:  # the other narrow type: widened (exactly), then checked
+        flat = flat.float()
     holds = NARROW_HOLDS[dtype]
-    return w.dtype == torch.float32 and holds(flat[:SAMPLE_VALUES]) and holds(flat)
+    return holds(flat[:SAMPLE_VALUES]) and holds(flat)
 
 
 def narrowest_exact(parts: Sequence[torch.Tensor]) -> torch.dtype:
-    """The packed tile type for these float32 parts: bfloat16 or float16 where every value is exactly one's (bfloat16
-    first: its widening needs no conversion unit), else float32."""
+    """The packed tile type for these parts (float32, or a file's bfloat16 / float16 kept as such): bfloat16 or
+    float16 where every value is exactly one's (bfloat16 first: its widening needs no conversion unit), else
+    float32."""
     for dtype in NARROW_HOLDS:
         if all(exact_in(p, dtype) for p in parts):
             return dtype
@@ -67,7 +75,8 @@ def narrowest_exact(parts: Sequence[torch.Tensor]) -> torch.dtype:
 
 def pack_rows(parts: Sequence[torch.Tensor], out: torch.Tensor | None = None,
               dtype: torch.dtype = torch.float32, checked: bool = False) -> torch.Tensor:
-    """The parts' rows one after another, [N, K] float32 in all -> packed [ceil(N/64), K, 64] of `dtype` (out's where
+    """The parts' rows one after another, [N, K] in all (float32, bfloat16 or float16) -> packed [ceil(N/64), K, 64]
+    of `dtype` (out's where
     given: float32, or bfloat16 / float16 for values it holds exactly, checked unless `checked` says the caller did;
     in a bfloat16 tile each 64-byte line of 32 columns interleaved, position 2i column i and 2i + 1 column 16 + i, as
     csrc/register_tile.h reads it), the features past N zero; written into `out` where
