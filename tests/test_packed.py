@@ -206,8 +206,9 @@ def test_a_synthetic_checkpoint_is_written_in_the_dtype_asked_for(tiny_llama_bf1
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_narrow_gguf_of_a_narrow_checkpoint_gives_its_station_the_same_tiles_and_logits(tmp_path, dtype):
     """A bfloat16 (float16) checkpoint written as a BF16 (F16) GGUF (what llama.cpp runs in `mesh bench vs_llamacpp
-    --model bench-bf16`) loads into tiles of that type holding the same values: the same logits bit for bit. (Plain
-    RoPE: a GGUF carries no llama3 scaling.)"""
+    --model bench-bf16`) loads into tiles of that type holding the same values, its matrices kept in the file's type
+    (q/k rows put back in Hugging Face's order): the same logits bit for bit. (Plain RoPE: a GGUF carries no llama3
+    scaling.)"""
     from gguf import GGMLQuantizationType
 
     from mesh.core.model.gguf_write import write_gguf
@@ -219,6 +220,11 @@ def test_a_narrow_gguf_of_a_narrow_checkpoint_gives_its_station_the_same_tiles_a
                       rope_theta=10000.0, max_position_embeddings=256)
     hf_dir = write_checkpoint(tmp_path / "tiny", cfg, dtype=dtype)
     gguf = write_gguf(hf_dir, tmp_path / "tiny.gguf", qtype)
+    model, _ = load_range(gguf, cfg, 0, cfg.num_hidden_layers, for_packed=True)  # the file's F16 / BF16 kept so
+    linear_weights = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear)}
+    assert {n: p.dtype for n, p in model.named_parameters() if n in linear_weights} == {
+        n: getattr(torch, dtype) for n in linear_weights}
+    assert model.model.embed_tokens.weight.dtype == torch.float32
     ids = torch.tensor([1, 17, 300, 45, 99, 7])
     logits = []
     for source in (hf_dir, gguf):

@@ -24,6 +24,7 @@ from mesh.core.model.gguf_dequant import dequantize_f32
 from mesh.core.model.gguf_header import HeaderError, TensorInfo, read_header
 
 GGUF_ARCHS = ("llama", "qwen2")  # general.architecture values this runtime runs (mistral GGUFs say llama)
+NARROW_TYPES = {Q.F16: np.float16, Q.BF16: np.int16}  # 16-bit float types read_narrow keeps (bfloat16 as its bits)
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
                    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 _SUPPORTED = frozenset(SUPPORTED_TYPES)
@@ -215,6 +216,16 @@ class GGUFCheckpoint:
         w = dequantize_f32(self.header.tensor_bytes(t), t.tensor_type).reshape(t.hf_shape)  # a new array
         order = self.row_order(name)
         return w if order is None else w[order]
+
+    def read_narrow(self, name: str) -> np.ndarray | None:
+        """Tensor `name` as stored where it is F16 or BF16 (float16, or bfloat16's bits as int16), in the Hugging Face
+        layout, a new array; None for any other type (`read` widens those)."""
+        t = self._tensor(name)
+        if t.tensor_type not in NARROW_TYPES:
+            return None
+        w = self.header.tensor_bytes(t).view(NARROW_TYPES[t.tensor_type]).reshape(t.hf_shape)
+        order = self.row_order(name)
+        return np.array(w) if order is None else w[order]
 
     def blocks(self, name: str) -> tuple[Q, np.ndarray]:
         """Tensor `name`'s type and bytes as stored (rows of blocks, memory-mapped, nothing read; see row_order)."""

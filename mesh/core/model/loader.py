@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -78,10 +79,10 @@ def load_range(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, dt
     wanted = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     quant: dict[str, QuantRows] = {}
     keep = for_packed and torch_dtype == torch.float32 and device == "cpu"
+    matrices = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear)} if keep else set()
     if is_gguf(model_dir):
-        state, read = _read_gguf(model_dir, cfg, wanted, torch_dtype, device, quant if keep else None)
+        state, read = _read_gguf(model_dir, cfg, wanted, torch_dtype, device, quant if keep else None, matrices)
     else:
-        matrices = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear)} if keep else set()
         state, read = _read_safetensors(model_dir, cfg, wanted, torch_dtype, device, matrices)
     result = model.load_state_dict(state, strict=not quant, assign=True)  # weights kept quantized stay on meta
     if quant and (result.unexpected_keys or set(result.missing_keys) != set(quant)):
@@ -131,11 +132,12 @@ def _read_safetensors(model_dir: str | Path, cfg: ModelConfig, wanted: dict[str,
 
 
 def _read_gguf(path: str | Path, cfg: ModelConfig, wanted: dict[str, tuple[int, ...]], torch_dtype: torch.dtype,
-               device: str, quant: dict[str, QuantRows] | None
+               device: str, quant: dict[str, QuantRows] | None, keep_narrow: set[str] = frozenset()
                ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """As _read_safetensors, from a GGUF file: only the wanted tensors are dequantized (mesh.core.model.gguf_file).
     With `quant`, the matrices quant_linear holds are not: their blocks go into `quant` by parameter name (not into
-    the state: their parameters stay on meta) and count with the bytes they hold in the file."""
+    the state: their parameters stay on meta) and count with the bytes they hold in the file; those named in
+    `keep_narrow` stay float16 / bfloat16 where the file stores them F16 / BF16."""
     ckpt = GGUFCheckpoint(path)  # refuses an unsupported architecture or tensor type before any read
     state: dict[str, torch.Tensor] = {}
     loaded: dict[str, torch.Tensor] = {}
@@ -151,7 +153,11 @@ def _read_gguf(path: str | Path, cfg: ModelConfig, wanted: dict[str, tuple[int, 
             read[src] = raw.nbytes  # nothing read yet: the blocks stay memory-mapped
             continue
         if src not in loaded:
-            loaded[src] = torch.from_numpy(ckpt.read(src)).to(device=device, dtype=torch_dtype)  # HF layout
+            narrow = ckpt.read_narrow(src) if name in keep_narrow and src != EMBED else None
+            if narrow is None:
+                loaded[src] = torch.from_numpy(ckpt.read(src)).to(device=device, dtype=torch_dtype)  # HF layout
+            else:  # float16, or bfloat16's bits as int16
+                loaded[src] = torch.from_numpy(narrow).view(torch.bfloat16 if narrow.dtype == np.int16 else torch.float16)
             read[src] = loaded[src].numel() * loaded[src].element_size()
         state[name] = loaded[src]
     return state, read
