@@ -10,7 +10,10 @@ with `--station-cpus 1 --balance compute`, --concurrency greedy requests (max_se
 first in odd rounds and second in even ones, so both meet the machine's drift alike. Per round: both tok/s (chain.py's
 median over --repeats), their ratio and the outputs' sha256 prefix. Then the median ratio and how many rounds reached
 the target (1.6x), whether every run drew the same tokens, and for the pair's runs the orchestrator's CPU per wave
-and each station's busy fraction. Runs on this VM type spread +-7%, so a figure is a median of rounds, never one run.
+and each station's busy fraction, with the ratio the pair would make at the same work were its busiest station never
+idle (ratio / that station's busy fraction: what the idle costs; the split's own ceiling, `mesh bench
+pipeline_ceiling`, measures the same from the other side). Runs on this VM type spread +-7%, so a figure is a median
+of rounds, never one run.
 --min-tokens (mixed lengths) and --max-wave-tokens measure other workloads the same way; they get no verdict.
 The last line printed is one JSON object.
 """
@@ -92,17 +95,20 @@ def main(argv: list[str] | None = None) -> int:
         got = {n: run_chain(args, n) for n in order}
         one, two = got[1], got[2]
         ratio = two["tok_s"] / one["tok_s"]
+        busiest = max(two["station_busy_fraction"])
         rounds.append({"one_tok_s": one["tok_s"], "two_tok_s": two["tok_s"], "ratio": ratio,
+                       "ratio_never_idle": ratio / busiest,  # the same work, its busiest station never idle
                        "one_sha": one["outputs_sha256"], "two_sha": two["outputs_sha256"],
                        "orchestrator_cpu_ms_per_wave": two["cpu_ms_per_wave"]["driver"],
                        "wall_ms_per_wave": two["wall_ms_per_wave"], "busy": two["station_busy_fraction"]})
         print(f"round {r + 1}: one {one['tok_s']:.1f} tok/s, two {two['tok_s']:.1f} tok/s, {ratio:.3f}x, tokens "
               f"{one['outputs_sha256'][:12]} / {two['outputs_sha256'][:12]}, busy "
-              f"{[round(b, 3) for b in two['station_busy_fraction']]}", flush=True)
+              f"{[round(b, 3) for b in two['station_busy_fraction']]} (never idle: {ratio / busiest:.3f}x)", flush=True)
     ratios = [x["ratio"] for x in rounds]
     median = statistics.median(ratios)
     identical = len({x[k] for x in rounds for k in ("one_sha", "two_sha")}) == 1
     reached = sum(x >= TARGET for x in ratios)
+    never_idle = statistics.median(x["ratio_never_idle"] for x in rounds)
     cpu = statistics.median(x["orchestrator_cpu_ms_per_wave"] for x in rounds)
     wall = statistics.median(x["wall_ms_per_wave"] for x in rounds)
     verdict = "target met at the median" if median >= TARGET else "target NOT met"
@@ -110,8 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "no verdict (not the issue's workload)"
     print(f"two stations / one: median {median:.3f}x over {len(ratios)} rounds ({min(ratios):.3f}-{max(ratios):.3f}x), "
           f"{reached} of {len(ratios)} at {TARGET}x or more: {verdict}; tokens identical in every run: "
-          f"{identical}; the pair's orchestrator CPU {cpu:.1f} ms a wave of {wall:.1f} ms (medians)")
-    print(json.dumps({"rounds": rounds, "median_ratio": median, "target": TARGET, "rounds_at_target": reached,
+          f"{identical}; the pair's orchestrator CPU {cpu:.1f} ms a wave of {wall:.1f} ms (medians); with its busiest "
+          f"station never idle (the ratio / its busy fraction, the same work) the pair would make {never_idle:.3f}x "
+          "(median): what its idle costs, and the split's ceiling with it")
+    print(json.dumps({"rounds": rounds, "median_ratio": median, "median_ratio_never_idle": never_idle,
+                      "target": TARGET, "rounds_at_target": reached,
                       "tokens_identical": identical, "concurrency": args.concurrency, "prompt": args.prompt,
                       "tokens": args.tokens, "min_tokens": args.min_tokens, "max_wave_tokens": args.max_wave_tokens,
                       "repeats": args.repeats}))

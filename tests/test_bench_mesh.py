@@ -33,7 +33,8 @@ def test_bench_mesh_quick_runs(tiny_llama):
 
 def test_core_quota_quick_runs(tiny_llama):
     """`bench/core_quota.py` runs one station and two as separate chain.py processes and reports their ratio, the
-    tokens of both (identical) and the pair's busy fractions, ending with a JSON line."""
+    tokens of both (identical), the pair's busy fractions and what its ratio would be with its busiest station never
+    idle, ending with a JSON line."""
     pytest.importorskip("ray")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run([sys.executable, str(SCRIPT.parent / "core_quota.py"), "--model", str(tiny_llama), "--quick",
@@ -45,6 +46,8 @@ def test_core_quota_quick_runs(tiny_llama):
     assert figures["median_ratio"] == pytest.approx(only["two_tok_s"] / only["one_tok_s"])
     assert figures["tokens_identical"] and only["one_sha"] == only["two_sha"]
     assert len(only["busy"]) == 2 and all(0 < b <= 1 for b in only["busy"])
+    assert only["ratio_never_idle"] == pytest.approx(only["ratio"] / max(only["busy"]))  # the idle's cost
+    assert figures["median_ratio_never_idle"] == pytest.approx(only["ratio_never_idle"])
     assert figures["rounds_at_target"] == (figures["median_ratio"] >= figures["target"])
     assert figures["min_tokens"] == 3 and "no verdict (not the issue's workload)" in proc.stdout
 
