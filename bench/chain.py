@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 from call_shape import add_call_shape_args, min_tokens_problem, mixed_lengths  # bench/ is on sys.path
+from idle_parts import idle_parts
 from metered_link import MeteredLink
 
 from mesh.control.cli import resolve_model
@@ -127,10 +128,10 @@ def run_point(engine: Engine, links: list[MeteredLink], prompts: list[list[int]]
     for link in links:
         link.reset()
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in tokens]
-    cpu0, t0 = cpu_seconds_by_role(), time.perf_counter()
+    cpu0, t0, wall0 = cpu_seconds_by_role(), time.perf_counter(), time.time()
     streams = [engine.submit(ids, sp) for ids, sp in zip(prompts, params)]
     outs = [s.result(timeout=600)[0] for s in streams]
-    wall, cpu = time.perf_counter() - t0, cpu_seconds_by_role()
+    wall, cpu, wall1 = time.perf_counter() - t0, cpu_seconds_by_role(), time.time()
     if not engine.quiesce():
         raise RuntimeError("the engine did not go idle after the run")
     waves = engine.stats().waves - waves0
@@ -158,6 +159,7 @@ def run_point(engine: Engine, links: list[MeteredLink], prompts: list[list[int]]
         "cpu_ms_per_wave": {role: ms(cpu[role] - cpu0[role]) for role in cpu},  # where the cores went
         "wire_bytes_per_wave": (total["request"] + total["reply"] + total["release"]) / max(waves, 1) if remote else 0,
         "wire_bytes_per_wave_split": {k: v / max(waves, 1) for k, v in total.items()} if remote else None,
+        "wall_window": (wall0, wall1),  # the run on the wall clock, for the stations' step spans (idle_parts)
         "outputs": [o.token_ids for o in outs],
         "outputs_sha256": hashlib.sha256(json.dumps([o.token_ids for o in outs]).encode()).hexdigest(),
     }
@@ -237,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                 for k in args.concurrency:
                     r = run_point(engine, links, jobs(k, args.prompt, cfg.vocab_size),
                                   lengths(k, args.tokens, args.min_tokens))
+                    if up[name][3] is not None:  # a Ray mesh: where each station's idle went (bench/idle_parts.py)
+                        r["idle_parts"] = [idle_parts(s, *r["wall_window"]) for s in up[name][3].step_spans()]
                     runs[name][k].append(r)
                     log(f"[{rep + 1}/{args.repeats}] {name:>6} K={k:<3} {r['tok_s']:8.1f} tok/s "
                         f"({r['waves']} waves, {r['wall_ms_per_wave']:.1f} ms/wave, "

@@ -130,6 +130,11 @@ class StationActor:
                 "cpu_affinity": sorted(os.sched_getaffinity(0)), "cpu_pinned": self.cores.pinned,
                 "cpu_pinning_note": self.cores.reason, "torch_threads": on_compute_thread(torch.get_num_threads)}
 
+    def step_spans(self) -> list[tuple[float, float, int, int]]:
+        """The station's last steps (station.timeline.StepSpan: wall-clock start, seconds, rows, entries), oldest
+        first: what a benchmark takes its pipeline's idle apart from."""
+        return [tuple(span) for span in self.station.timeline.spans()]
+
     def pin(self) -> bool:
         """Claim the station's cores again if it runs unpinned (cores others held when it started, such as the
         old route's stations while the mesh grows, may be free now); True when it is pinned."""

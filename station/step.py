@@ -28,6 +28,7 @@ from station.decode_graphs import DecodeGraphs
 from station.kv import DEFAULT_BLOCK_TOKENS, KVPool, KVStats, StepError
 from station.kv_copy import export_rows, import_rows
 from station.native_attention import NativeWaveAttention
+from station.timeline import StepTimeline
 from station.wave_attention import WaveAttention
 
 
@@ -69,6 +70,7 @@ class Station:
         self._forwards = self._rows = 0
         self._kv_changes = 0  # forwards and releases applied: orders the KV reports (KVUsage.changes)
         self._seconds = {"prefill": 0.0, "decode": 0.0}
+        self.timeline = StepTimeline()  # the last steps on the wall clock (a benchmark's idle breakdown)
 
     def _load(self, block_tokens: int) -> None:
         started = time.perf_counter()
@@ -152,7 +154,7 @@ class Station:
 
     def _forward(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor | None, hidden: torch.Tensor | None,
                  want_logits: bool, rows_out: torch.Tensor | None = None) -> StationOutput:
-        t0 = time.perf_counter()
+        wall, t0 = time.time(), time.perf_counter()
         x = self._validate(entries, token_ids, hidden)
         with self.kv.growing(entries), torch.inference_mode():
             out = self._compute(entries, x, want_logits)
@@ -164,6 +166,7 @@ class Station:
         self._kv_changes += 1
         self._rows += x.shape[0]
         self._seconds["decode" if all(e.n_tokens == 1 for e in entries) else "prefill"] += seconds
+        self.timeline.record(wall, seconds, x.shape[0], len(entries))
         return StationOutput(out[0], out[1], seconds, out[2])
 
     def _compute(self, entries: tuple[WaveEntry, ...], x: torch.Tensor, want_logits: bool):

@@ -249,6 +249,11 @@ class Cluster:
         return {"model": self.model_dir.name, "num_layers": self.model.num_hidden_layers,
                 "route_generation": self._generation, "stations": stations}
 
+    def step_spans(self) -> list[list[tuple[float, float, int, int]]]:
+        """Each station's last steps (StationActor.step_spans: wall-clock start, seconds, rows, entries), in chain
+        order: what a benchmark takes the pipeline's idle apart from."""
+        return ray.get([self._actors[spec].step_spans.remote() for spec in self.specs], timeout=30)
+
     # ---- internals -------------------------------------------------------------------------------
     def _launch(self, specs: tuple[StationSpec, ...]) -> None:
         started = time.monotonic()

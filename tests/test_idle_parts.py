@@ -1,0 +1,52 @@
+"""A station's step timeline (station.timeline) and the benchmark's breakdown of its idle (bench/idle_parts.py)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mesh.core.config import StationSpec
+from mesh.core.params import SamplingParams
+from mesh.core.wave import WaveEntry
+from station.step import Station
+from station.timeline import StepTimeline
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from idle_parts import describe, idle_parts  # noqa: E402
+
+
+def test_idle_parts_splits_a_window_into_its_waits_and_gaps():
+    """Hand-built steps in a 1 s window: 100 ms before the first, gaps of 300, 20 and 10 ms, 50 after the last; a
+    step outside the window (a warm-up) does not count; no step in the window gives no breakdown."""
+    t = 1000.0
+    spans = [(t - 5.0, 0.1, 8, 1),  # before the window
+             (t + 0.1, 0.2, 64, 4), (t + 0.6, 0.1, 4, 4), (t + 0.72, 0.1, 4, 4), (t + 0.83, 0.12, 4, 4)]
+    parts = idle_parts(spans, t, t + 1.0)
+    want = {"window_ms": 1000.0, "busy_ms": 520.0, "steps": 4, "before_first_ms": 100.0, "after_last_ms": 50.0,
+            "longest_gap_ms": 300.0, "other_gaps_ms": 30.0, "other_gaps": 2, "median_gap_ms": 15.0}
+    assert parts.keys() == want.keys() and all(parts[k] == pytest.approx(v) for k, v in want.items())
+    busy_and_idle = sum(parts[k] for k in ("busy_ms", "before_first_ms", "longest_gap_ms", "other_gaps_ms",
+                                           "after_last_ms"))
+    assert busy_and_idle == pytest.approx(parts["window_ms"])
+    assert "idle 480 of 1000 ms" in describe(parts) and "300.0 its longest gap" in describe(parts)
+    assert idle_parts(spans, t + 2.0, t + 3.0) is None
+    one = idle_parts([(t + 0.5, 0.25, 1, 1)], t, t + 1.0)
+    assert one["longest_gap_ms"] == one["other_gaps_ms"] == one["median_gap_ms"] == 0.0 and one["other_gaps"] == 0
+
+
+def test_a_station_records_each_step_on_the_wall_clock(tiny_llama):
+    """Every step leaves its wall-clock start, seconds, rows and entries, oldest first, after the one before it
+    ended; the timeline keeps only its last steps."""
+    station = Station(tiny_llama, StationSpec(layers=(0, 6)))
+    g = SamplingParams(max_tokens=4)
+    station.forward((WaveEntry(0, 0, 5, g), WaveEntry(1, 0, 3, g)), token_ids=torch.arange(8) + 3)
+    station.forward((WaveEntry(0, 5, 1, g), WaveEntry(1, 3, 1, g)), token_ids=torch.tensor([7, 9]))
+    first, second = station.timeline.spans()
+    assert (first.rows, first.entries, second.rows, second.entries) == (8, 2, 2, 2)
+    assert first.seconds > 0 and second.start >= first.start + first.seconds
+    kept = StepTimeline(keep=3)
+    for i in range(5):
+        kept.record(float(i), 0.5, i, 1)
+    assert [s.rows for s in kept.spans()] == [2, 3, 4]
