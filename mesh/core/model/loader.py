@@ -69,8 +69,9 @@ def load_range(model_dir: str | Path, cfg: ModelConfig, start: int, end: int, dt
     kernels.use_packed_linears): the Linears' matrices stay in the file's form where the packed kernels read it. A
     GGUF's Q8_0 / Q4_0 / Q4_1 matrices stay as the file's blocks, the Linears' `quant_rows` (their weights stay on
     meta until they are repacked) and the embedding a QuantEmbedding, which dequantizes the rows it looks up; a
-    safetensors matrix stored in bfloat16 or float16 stays in that type (packed as such, every value exactly the
-    float32 it would have been cast to), not cast to float32 first. Everything else is cast to `dtype`."""
+    matrix stored in bfloat16 or float16 (a safetensors tensor, a GGUF's BF16 / F16) stays in that type (packed as
+    such, every value exactly the float32 it would have been cast to), not cast to float32 first. Everything else is
+    cast to `dtype`."""
     if dtype not in TORCH_DTYPES:
         raise CheckpointError(f"dtype: unsupported {dtype!r}")
     torch_dtype = TORCH_DTYPES[dtype]

@@ -76,10 +76,9 @@ def narrowest_exact(parts: Sequence[torch.Tensor]) -> torch.dtype:
 def pack_rows(parts: Sequence[torch.Tensor], out: torch.Tensor | None = None,
               dtype: torch.dtype = torch.float32, checked: bool = False) -> torch.Tensor:
     """The parts' rows one after another, [N, K] in all (float32, bfloat16 or float16) -> packed [ceil(N/64), K, 64]
-    of `dtype` (out's where
-    given: float32, or bfloat16 / float16 for values it holds exactly, checked unless `checked` says the caller did;
-    in a bfloat16 tile each 64-byte line of 32 columns interleaved, position 2i column i and 2i + 1 column 16 + i, as
-    csrc/register_tile.h reads it), the features past N zero; written into `out` where
+    of `dtype` (out's where given: float32, or bfloat16 / float16 for values it holds exactly, checked unless
+    `checked` says the caller did; in a bfloat16 tile each 64-byte line of 32 columns interleaved, position 2i column
+    i and 2i + 1 column 16 + i, as csrc/register_tile.h reads it), the features past N zero; written into `out` where
     given. A part's whole tiles are copied at once, no concatenated copy made (a bfloat16 weight goes through one
     bfloat16 copy in column order)."""
     k, n = parts[0].shape[1], sum(p.shape[0] for p in parts)
