@@ -12,7 +12,7 @@ median over --repeats), their ratio and the outputs' sha256 prefix. Then the med
 the target (1.6x), whether every run drew the same tokens, and for the pair's runs the orchestrator's CPU per wave
 and each station's busy fraction, with the ratio the pair would make at the same work were its busiest station never
 idle (ratio / that station's busy fraction: what the idle costs; the split's own ceiling, `mesh bench
-pipeline_ceiling`, measures the same from the other side), and where the first station's idle went (before its first
+pipeline_ceiling`, measures the same from the other side), and where each station's idle went (before its first
 step, its longest gap, the other gaps, after its last step: bench/idle_parts.py, from the stations' step timelines). Runs on this VM type spread +-7%, so a figure is a median
 of rounds, never one run.
 --min-tokens (mixed lengths) and --max-wave-tokens measure other workloads the same way; they get no verdict.
@@ -103,12 +103,13 @@ def main(argv: list[str] | None = None) -> int:
                        "one_sha": one["outputs_sha256"], "two_sha": two["outputs_sha256"],
                        "orchestrator_cpu_ms_per_wave": two["cpu_ms_per_wave"]["driver"],
                        "wall_ms_per_wave": two["wall_ms_per_wave"], "busy": two["station_busy_fraction"],
-                       "first_station_idle": two["idle_parts"][0]})
+                       "first_station_idle": two["idle_parts"][0], "second_station_idle": two["idle_parts"][1]})
         print(f"round {r + 1}: one {one['tok_s']:.1f} tok/s, two {two['tok_s']:.1f} tok/s, {ratio:.3f}x, tokens "
               f"{one['outputs_sha256'][:12]} / {two['outputs_sha256'][:12]}, busy "
               f"{[round(b, 3) for b in two['station_busy_fraction']]} (never idle: {ratio / busiest:.3f}x)", flush=True)
-        if two["idle_parts"][0] is not None:
-            print(f"  the pair's first station: {describe(two['idle_parts'][0])}", flush=True)
+        for name, parts in zip(("first", "second"), two["idle_parts"]):
+            if parts is not None:
+                print(f"  the pair's {name} station: {describe(parts)}", flush=True)
     ratios = [x["ratio"] for x in rounds]
     median = statistics.median(ratios)
     identical = len({x[k] for x in rounds for k in ("one_sha", "two_sha")}) == 1

@@ -48,11 +48,12 @@ def test_core_quota_quick_runs(tiny_llama):
     assert len(only["busy"]) == 2 and all(0 < b <= 1 for b in only["busy"])
     assert only["ratio_never_idle"] == pytest.approx(only["ratio"] / max(only["busy"]))  # the idle's cost
     assert figures["median_ratio_never_idle"] == pytest.approx(only["ratio_never_idle"])
-    idle = only["first_station_idle"]  # from the stations' step timelines (bench/idle_parts.py)
-    assert idle["steps"] > 0 and 0 < idle["busy_ms"] < idle["window_ms"]
-    assert sum(idle[k] for k in ("busy_ms", "before_first_ms", "longest_gap_ms", "other_gaps_ms", "after_last_ms")
-               ) == pytest.approx(idle["window_ms"], abs=0.01)  # wall-clock floats: ~0.2 us apart
-    assert "the pair's first station: idle" in proc.stdout
+    for which in ("first", "second"):  # from the stations' step timelines (bench/idle_parts.py)
+        idle = only[f"{which}_station_idle"]
+        assert idle["steps"] > 0 and 0 < idle["busy_ms"] < idle["window_ms"]
+        assert sum(idle[k] for k in ("busy_ms", "before_first_ms", "longest_gap_ms", "other_gaps_ms", "after_last_ms")
+                   ) == pytest.approx(idle["window_ms"], abs=0.01)  # wall-clock floats: ~0.2 us apart
+        assert f"the pair's {which} station: idle" in proc.stdout
     assert figures["rounds_at_target"] == (figures["median_ratio"] >= figures["target"])
     assert figures["min_tokens"] == 3 and "no verdict (not the issue's workload)" in proc.stdout
 
