@@ -219,13 +219,14 @@ class GGUFCheckpoint:
 
     def read_narrow(self, name: str) -> np.ndarray | None:
         """Tensor `name` as stored where it is F16 or BF16 (float16, or bfloat16's bits as int16), in the Hugging Face
-        layout, a new array; None for any other type (`read` widens those)."""
+        layout: the file's mapped bytes themselves (read-only: nothing is read until used) where it keeps HF's row
+        order, else a new array; None for any other type (`read` widens those)."""
         t = self._tensor(name)
         if t.tensor_type not in NARROW_TYPES:
             return None
         w = self.header.tensor_bytes(t).view(NARROW_TYPES[t.tensor_type]).reshape(t.hf_shape)
         order = self.row_order(name)
-        return np.array(w) if order is None else w[order]
+        return w if order is None else w[order]
 
     def blocks(self, name: str) -> tuple[Q, np.ndarray]:
         """Tensor `name`'s type and bytes as stored (rows of blocks, memory-mapped, nothing read; see row_order)."""

@@ -9,6 +9,7 @@ mesh.core.model.gguf_file (HF names, dequantized to the station's dtype).
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,8 +158,11 @@ def _read_gguf(path: str | Path, cfg: ModelConfig, wanted: dict[str, tuple[int, 
             narrow = ckpt.read_narrow(src) if name in keep_narrow and src != EMBED else None
             if narrow is None:
                 loaded[src] = torch.from_numpy(ckpt.read(src)).to(device=device, dtype=torch_dtype)  # HF layout
-            else:  # float16, or bfloat16's bits as int16
-                loaded[src] = torch.from_numpy(narrow).view(torch.bfloat16 if narrow.dtype == np.int16 else torch.float16)
+            else:  # float16, or bfloat16's bits as int16, maybe the file's read-only mapping: only ever read (packed)
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+                    kept = torch.from_numpy(narrow)
+                loaded[src] = kept.view(torch.bfloat16 if narrow.dtype == np.int16 else torch.float16)
             read[src] = loaded[src].numel() * loaded[src].element_size()
         state[name] = loaded[src]
     return state, read
