@@ -4,6 +4,7 @@ engine's tokens equal one step per call's, in process and over gRPC; a station r
 with the same checks as Forward, and keeps serving."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -271,11 +272,19 @@ def test_a_request_that_arrives_ends_the_streamed_calls_within_a_part(tiny_llama
 
 class _Calls(LocalLink):
     """A LocalLink that notes each streamed call's entries and the steps of each of its parts, each part taking 20
-    ms more (a station slower than the engine's turn, as a real one is)."""
+    ms more (a station slower than the engine's turn, as a real one is). Its one-step calls wait for `opened` (set
+    unless a test clears it: requests submitted meanwhile meet in the waves after, however late the test thread
+    runs)."""
 
     def __init__(self, station):
         super().__init__(station)
         self.calls: list[tuple[int, list[int]]] = []
+        self.opened = threading.Event()
+        self.opened.set()
+
+    def forward(self, wave_id, entries, token_ids, hidden, steps=1):
+        assert self.opened.wait(60), "the test never opened the link"
+        return super().forward(wave_id, entries, token_ids, hidden, steps)
 
     def forward_steps(self, wave_id, entries, token_ids, steps, reply_steps):
         parts: list[int] = []
@@ -304,12 +313,14 @@ def test_a_sequence_that_ends_inside_a_streamed_call_ends_the_call(tiny_llama, h
         return [sum(parts) for n, parts in list(link.calls) if n == 2]
 
     before_end = 0  # steps the first shared call had run when the request was cancelled
+    link.opened.clear()  # the first wave waits at the station until both requests are in: they decode together
     try:
         if how == "stop":
             ending = engine.submit(other_prompt, replace(params, stop_token_ids=(other[stop_at],)))
         else:
             ending = engine.submit(other_prompt, params)
         first = engine.submit(PROMPT, params)
+        link.opened.set()
         if how == "cancel":
             deadline = time.monotonic() + 60
             while len(ending.outputs[0].token_ids) < 3 and time.monotonic() < deadline:
