@@ -13,8 +13,8 @@ the target (1.6x), whether every run drew the same tokens, and for the pair's ru
 and each station's busy fraction, with the ratio the pair would make at the same work were its busiest station never
 idle (ratio / that station's busy fraction: what the idle costs; the split's own ceiling, `mesh bench
 pipeline_ceiling`, measures the same from the other side), and where each station's idle went (before its first
-step, its longest gap, the other gaps, after its last step: bench/idle_parts.py, from the stations' step timelines). Runs on this VM type spread +-7%, so a figure is a median
-of rounds, never one run.
+step, its longest gap, the other gaps, after its last step: bench/idle_parts.py, from the stations' step
+timelines). Runs on this VM type spread +-7%, so a figure is a median of rounds, never one run.
 --min-tokens (mixed lengths) and --max-wave-tokens measure other workloads the same way; they get no verdict.
 The last line printed is one JSON object.
 """

@@ -30,5 +30,5 @@ def describe(parts: dict) -> str:
     """One line for `idle_parts`'s result."""
     idle = parts["window_ms"] - parts["busy_ms"]
     return (f"idle {idle:.0f} of {parts['window_ms']:.0f} ms: {parts['before_first_ms']:.1f} before its first "
-            f"step, {parts['longest_gap_ms']:.1f} its longest gap, {parts['other_gaps_ms']:.1f} in {parts['other_gaps']} "
-            f"other gaps (median {parts['median_gap_ms']:.2f}), {parts['after_last_ms']:.1f} after its last step")
+            f"step, {parts['longest_gap_ms']:.1f} its longest gap, {parts['other_gaps_ms']:.1f} in "
+            f"{parts['other_gaps']} other gaps (median {parts['median_gap_ms']:.2f}), {parts['after_last_ms']:.1f} after its last step")

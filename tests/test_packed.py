@@ -108,9 +108,11 @@ def test_narrow_tiles_take_only_values_their_type_holds(dtype):
     assert narrowest_exact([torch.tensor([[1.0 + 2 ** -10]]).half()]) == torch.float16  # bfloat16 cannot hold it
     assert narrowest_exact([torch.tensor([[1.0, 0.5]]).half()]) == torch.bfloat16  # float16 values bfloat16 holds
     # parts of both types (a mixed file's fused q/k/v): the type that holds every part's values, else float32
-    assert narrowest_exact([torch.tensor([[1.0, 2.0 ** -30]]).bfloat16(), torch.tensor([[0.5]]).half()]) == torch.bfloat16
-    assert narrowest_exact([torch.tensor([[1.0, 0.25]]).bfloat16(), torch.tensor([[1 + 2 ** -10]]).half()]) == torch.float16
-    assert narrowest_exact([torch.tensor([[2.0 ** -30]]).bfloat16(), torch.tensor([[1 + 2 ** -10]]).half()]) == torch.float32
+    bf16_tiny, bf16_plain = torch.tensor([[1.0, 2.0 ** -30]]).bfloat16(), torch.tensor([[1.0, 0.25]]).bfloat16()
+    f16_plain, f16_fine = torch.tensor([[0.5]]).half(), torch.tensor([[1 + 2 ** -10]]).half()
+    assert narrowest_exact([bf16_tiny, f16_plain]) == torch.bfloat16
+    assert narrowest_exact([bf16_plain, f16_fine]) == torch.float16
+    assert narrowest_exact([bf16_tiny[:, 1:], f16_fine]) == torch.float32
 
 
 @needs_packed
@@ -180,7 +182,8 @@ def test_a_narrow_checkpoints_matrices_skip_the_float32_cast_with_the_same_tiles
         if cast_first:
             monkeypatch.setattr(loader, "NARROW_DTYPES", ())  # the load before: float32 first, narrowed when packed
         station = Station(path, StationSpec(layers=(0, cfg.num_hidden_layers)))
-        held.append([m.weight for m in station.model.modules() if isinstance(m, Linear) and m.weight_layout == "packed"])
+        held.append([m.weight for m in station.model.modules()
+                     if isinstance(m, Linear) and m.weight_layout == "packed"])
         logits.append(station.forward(wave, token_ids=ids, want_logits=True).logits)
     assert len(held[0]) == len(held[1]) and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*held))
     assert {w.dtype for w in held[0]} == {narrow}

@@ -57,7 +57,8 @@ void packed_linear_f32(const float *x, int64_t T, int64_t ldx, int64_t K, const 
 
 /* As packed_linear_f32 over wp packed [ceil(N/64)][K][64] in format fmt (a WeightFormat: float32; bfloat16, each
  * line's 32 columns interleaved; float16, columns in order; register_tile.h): the bits packed_linear_f32 gives over
- * the same values as float32. The Python path and fused_layer.c call this one. */
+ * the same values as float32. The Python path and fused_layer.c call this one. Each branch passes its format as a
+ * constant, so the inlined loop is compiled once per format with the widening chosen at compile time. */
 void packed_linear_any(const float *x, int64_t T, int64_t ldx, int64_t K, const void *wp, int fmt, int64_t N,
                        const float *bias, float *out, int threads) {
     if (fmt == WF_BF16) packed_linear(x, T, ldx, K, wp, WF_BF16, N, bias, out, threads);
