@@ -14,7 +14,7 @@ and each station's busy fraction, with the ratio the pair would make at the same
 idle (ratio / that station's busy fraction: what the idle costs; the split's own ceiling, `mesh bench
 pipeline_ceiling`, measures the same from the other side), and where each station's idle went (before its first
 step, its longest gap, the other gaps, after its last step: bench/idle_parts.py, from the stations' step
-timelines). Runs on this VM type spread +-7%, so a figure is a median of rounds, never one run.
+timelines), with the median of its decode steps, the lone station's too. Runs on this VM type spread +-7%, so a figure is a median of rounds, never one run.
 --min-tokens (mixed lengths) and --max-wave-tokens measure other workloads the same way; they get no verdict.
 The last line printed is one JSON object.
 """
@@ -103,13 +103,16 @@ def main(argv: list[str] | None = None) -> int:
                        "one_sha": one["outputs_sha256"], "two_sha": two["outputs_sha256"],
                        "orchestrator_cpu_ms_per_wave": two["cpu_ms_per_wave"]["driver"],
                        "wall_ms_per_wave": two["wall_ms_per_wave"], "busy": two["station_busy_fraction"],
-                       "first_station_idle": two["idle_parts"][0], "second_station_idle": two["idle_parts"][1]})
+                       "first_station_idle": two["idle_parts"][0], "second_station_idle": two["idle_parts"][1],
+                       "lone_station_idle": (one.get("idle_parts") or [None])[0]})
         print(f"round {r + 1}: one {one['tok_s']:.1f} tok/s, two {two['tok_s']:.1f} tok/s, {ratio:.3f}x, tokens "
               f"{one['outputs_sha256'][:12]} / {two['outputs_sha256'][:12]}, busy "
               f"{[round(b, 3) for b in two['station_busy_fraction']]} (never idle: {ratio / busiest:.3f}x)", flush=True)
-        for name, parts in zip(("first", "second"), two["idle_parts"]):
+        named = [("the lone station", (one.get("idle_parts") or [None])[0])]
+        named += [(f"the pair's {name} station", parts) for name, parts in zip(("first", "second"), two["idle_parts"])]
+        for name, parts in named:
             if parts is not None:
-                print(f"  the pair's {name} station: {describe(parts)}", flush=True)
+                print(f"  {name}: {describe(parts)}", flush=True)
     ratios = [x["ratio"] for x in rounds]
     median = statistics.median(ratios)
     identical = len({x[k] for x in rounds for k in ("one_sha", "two_sha")}) == 1

@@ -44,10 +44,11 @@ class KVStats:
     sequences: int
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
-    """Zeros; on CPU as pages the OS maps zeroed (nothing written at start: host_memory.zero_pages)."""
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str, huge_pages: bool) -> torch.Tensor:
+    """Zeros; on CPU as pages the OS maps zeroed (nothing written at start: host_memory.zero_pages), huge where
+    asked."""
     if torch.device(device).type == "cpu":
-        return zero_pages(shape, dtype)
+        return zero_pages(shape, dtype, huge_pages)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
@@ -69,8 +70,8 @@ class KVPool:
             raise KVBudgetError(f"kv_bytes {spec.kv_bytes} is below one block ({self.block_bytes} bytes)")
         self.spare_block = self.num_blocks  # one block past the budget, lent by `spare` (never in the stats)
         shape = (self.layers, self.num_blocks + 1, cfg.num_key_value_heads, block_tokens, cfg.head_dim)
-        self.k = _zeros(shape, TORCH_DTYPES[spec.dtype], spec.device)
-        self.v = _zeros(shape, TORCH_DTYPES[spec.dtype], spec.device)
+        self.k = _zeros(shape, TORCH_DTYPES[spec.dtype], spec.device, spec.huge_pages)
+        self.v = _zeros(shape, TORCH_DTYPES[spec.dtype], spec.device, spec.huge_pages)
         self._k_layers, self._v_layers = self.k.unbind(0), self.v.unbind(0)  # per-layer views, taken once
         self.populating = (populate_in_background((self.k, self.v), "kv-populate") if self.k.device.type == "cpu"
                            else None)  # the budget's pages faulted in beside the first waves, not inside them

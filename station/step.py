@@ -81,7 +81,8 @@ class Station:
         cache = (PackedCache.for_gguf(spec.packed_cache, self.model_dir)
                  if backend == "packed" and spec.packed_cache and is_gguf(self.model_dir) else None)
         self.packed_cache_dir = None if cache is None else cache.directory
-        setup = use_linear_backend(self.model, backend, self.device, self.dtype, packed_cache=cache)
+        setup = use_linear_backend(self.model, backend, self.device, self.dtype, packed_cache=cache,
+                                   huge_pages=spec.huge_pages)
         self.linear_backend, self.packed_load = setup.backend, setup.packed or PackedLoad()
         self.fused = fuse_layers(self.model)  # every layer in one native call where all run the packed kernels
         self.kv = KVPool(self.config, spec, block_tokens)

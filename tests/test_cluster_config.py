@@ -63,6 +63,7 @@ def test_unknown_keys_are_refused_at_every_level(tmp_path, text, parts):
     (GOOD + "stations: [{layers: [0, 6], device: tpu}]\n", ["stations[0].device: expected 'cpu' or 'cuda[:N]'"]),
     (GOOD + "stations: [{layers: [0, 6], dtype: int8}]\n", ["stations[0].dtype: expected one of"]),
     (GOOD + "stations: [{layers: [0, 6], cuda_graphs: maybe}]\n", ["stations[0].cuda_graphs: expected true or false"]),
+    (GOOD + "stations: [{layers: [0, 6], huge_pages: 1}]\n", ["stations[0].huge_pages: expected true or false"]),
     (GOOD + "stations: [{layers: [0, 6], num_gpus: -1}]\n", ["stations[0].num_gpus: expected a number >= 0"]),
     (GOOD + "stations: [{layers: [0, 6], kv_bytes: lots}]\n", ["stations[0].kv_bytes: expected bytes", "'lots'"]),
     (GOOD + "stations: [{layers: [0, 6], resources: [gpu_a]}]\n",
@@ -182,7 +183,7 @@ device: cpu
 kv_bytes: 64MiB
 stations:
   - {layers: [5, 12], device: cuda, dtype: bfloat16, kv_bytes: 1GiB, num_cpus: 2, cuda_graphs: false}
-  - {layers: [0, 5], num_gpus: 0, resources: {zone_b: 1, big_mem: 0.5}}
+  - {layers: [0, 5], num_gpus: 0, resources: {zone_b: 1, big_mem: 0.5}, huge_pages: false}
 scheduler: {max_seqs: 16, max_wave_tokens: 256, max_queue: 8, short_first: true, short_prompt_tokens: 32, max_skips: 2,
             extra_waves: 1}
 api: {host: 0.0.0.0, port: 9000, api_key: sk-test, model_name: bench, max_n: 4}
@@ -196,7 +197,8 @@ cluster: {token: s3cret, station_host: 0.0.0.0, call_timeout_s: 5, shutdown_time
             StationSpec((5, 12), device="cuda", dtype="bfloat16", kv_bytes=2**30, num_gpus=1.0, num_cpus=2.0,
                         packed_cache="~/.cache/wavemesh/packed", cuda_graphs=False),
             StationSpec((0, 5), device="cpu", dtype="float16", kv_bytes=64 * 2**20, num_gpus=0.0, num_cpus=1.0,
-                        resources=(("big_mem", 0.5), ("zone_b", 1.0)), packed_cache="~/.cache/wavemesh/packed")),
+                        resources=(("big_mem", 0.5), ("zone_b", 1.0)), packed_cache="~/.cache/wavemesh/packed",
+                        huge_pages=False)),
         scheduler=SchedulerConfig(16, 256, 8, True, 32, 2, extra_waves=1),
         api=ApiConfig("0.0.0.0", 9000, "sk-test", "bench", 4),
         cluster=ClusterConfig("s3cret", "0.0.0.0", 5.0, 0.0, "/tmp/t.json", health_period_s=2.5))

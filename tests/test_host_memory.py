@@ -1,5 +1,6 @@
 """Fresh host memory: the weight arena carves disjoint aligned tensors, and a CPU station's KV budget reads as zeros,
-is not written at start and is faulted in from a background thread."""
+is not written at start and is faulted in from a background thread; both ask for transparent huge pages where the
+spec says so."""
 from __future__ import annotations
 
 import resource
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from mesh.core.config import ModelConfig, StationSpec
-from mesh.core.model.host_memory import ALIGN, WeightArena, zero_pages
+from mesh.core.model.host_memory import ALIGN, HUGE_PAGE, WeightArena, fresh_bytes, zero_pages
 from station.kv import KVPool
 
 
@@ -57,3 +58,50 @@ def test_zero_pages_are_zeros_of_the_shape_and_dtype():
     t = zero_pages((3, 5, 7), torch.float32)
     assert t.shape == (3, 5, 7) and t.dtype == torch.float32 and t.is_contiguous() and not t.any()
     assert zero_pages((0, 4), torch.bfloat16).shape == (0, 4)
+
+
+def _thp_mode() -> str | None:
+    """The machine's transparent huge page setting (always / madvise / never), None where it has none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _thp_eligible(address: int) -> bool:
+    """Whether the kernel may back the mapping holding `address` with huge pages (/proc/self/smaps' THPeligible)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "THPeligible:":
+                return line.split()[1] == "1"
+    raise AssertionError(f"no mapping with THPeligible holds {address:#x}")
+
+
+@pytest.mark.skipif(sys.platform != "linux" or _thp_mode() not in ("always", "madvise"),
+                    reason="needs Linux with transparent huge pages on (always or madvise)")
+def test_the_arena_and_the_kv_cache_ask_for_huge_pages_unless_the_spec_says_not(tiny_llama):
+    """With huge_pages (the default) the arena and a KV budget start on a 2 MiB boundary in a mapping the kernel may
+    back with huge pages; without it, 4 KiB pages where the machine's setting leaves it to the advice (madvise);
+    either way the memory reads and writes as before."""
+    arena = WeightArena(8 << 20)
+    w = arena.take((1 << 20,), torch.float32)
+    assert w.data_ptr() % HUGE_PAGE == 0 and _thp_eligible(w.data_ptr())
+    w.fill_(2.0)
+    assert bool((w == 2.0).all())
+    arena.close()
+    cfg = ModelConfig.from_dir(tiny_llama)
+    pool = KVPool(cfg, StationSpec(layers=(0, cfg.num_hidden_layers), kv_bytes=16 << 20))
+    assert pool.k.data_ptr() % HUGE_PAGE == 0 and _thp_eligible(pool.k.data_ptr()) and not pool.k.any()
+    small = KVPool(cfg, StationSpec(layers=(0, cfg.num_hidden_layers), kv_bytes=16 << 20, huge_pages=False))
+    plain = WeightArena(8 << 20, huge_pages=False)
+    if _thp_mode() == "madvise":
+        assert not _thp_eligible(small.k.data_ptr()) and not _thp_eligible(plain.take((16,), torch.uint8).data_ptr())
+    for pool in (pool, small):
+        pool.populating.join(60)
+    assert fresh_bytes(HUGE_PAGE - 1).numel() == HUGE_PAGE - 1  # under one huge page: no advice, the size asked

@@ -19,21 +19,27 @@ from idle_parts import describe, idle_parts  # noqa: E402
 
 def test_idle_parts_splits_a_window_into_its_waits_and_gaps():
     """Hand-built steps in a 1 s window: 100 ms before the first, gaps of 300, 20 and 10 ms, 50 after the last; a
-    step outside the window (a warm-up) does not count; no step in the window gives no breakdown."""
+    step outside the window (a warm-up) does not count; the decode steps (a row an entry) have their median; no step
+    in the window gives no breakdown."""
     t = 1000.0
     spans = [(t - 5.0, 0.1, 8, 1),  # before the window
              (t + 0.1, 0.2, 64, 4), (t + 0.6, 0.1, 4, 4), (t + 0.72, 0.1, 4, 4), (t + 0.83, 0.12, 4, 4)]
     parts = idle_parts(spans, t, t + 1.0)
     want = {"window_ms": 1000.0, "busy_ms": 520.0, "steps": 4, "before_first_ms": 100.0, "after_last_ms": 50.0,
-            "longest_gap_ms": 300.0, "other_gaps_ms": 30.0, "other_gaps": 2, "median_gap_ms": 15.0}
+            "longest_gap_ms": 300.0, "other_gaps_ms": 30.0, "other_gaps": 2, "median_gap_ms": 15.0,
+            "decode_steps": 3, "median_decode_step_ms": 100.0}
     assert parts.keys() == want.keys() and all(parts[k] == pytest.approx(v) for k, v in want.items())
     busy_and_idle = sum(parts[k] for k in ("busy_ms", "before_first_ms", "longest_gap_ms", "other_gaps_ms",
                                            "after_last_ms"))
     assert busy_and_idle == pytest.approx(parts["window_ms"])
     assert "idle 480 of 1000 ms" in describe(parts) and "300.0 its longest gap" in describe(parts)
+    assert "decode steps 100.00 ms at the median" in describe(parts)
     assert idle_parts(spans, t + 2.0, t + 3.0) is None
     one = idle_parts([(t + 0.5, 0.25, 1, 1)], t, t + 1.0)
     assert one["longest_gap_ms"] == one["other_gaps_ms"] == one["median_gap_ms"] == 0.0 and one["other_gaps"] == 0
+    prompt_only = idle_parts([(t + 0.5, 0.25, 16, 2)], t, t + 1.0)
+    assert prompt_only["decode_steps"] == 0 and prompt_only["median_decode_step_ms"] is None
+    assert "decode steps" not in describe(prompt_only)
 
 
 def test_a_station_records_each_step_on_the_wall_clock(tiny_llama):

@@ -62,7 +62,7 @@ _SCHEMA = {  # section: {key: kind}
                 "tls_cert": "opt_str", "tls_key": "opt_str", "tls_ca": "opt_str"},
     "station": {"layers": "layers", "device": "str", "dtype": "str", "kv_bytes": "size",
                 "num_gpus": "nonneg_num", "num_cpus": "nonneg_num", "linear_backend": "str", "resources": "resources",
-                "cuda_graphs": "bool"},
+                "cuda_graphs": "bool", "huge_pages": "bool"},
 }
 _TOP = ("ray", "model", "dtype", "device", "kv_bytes", "num_cpus", "stations", "scheduler", "api", "cluster")
 

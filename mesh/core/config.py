@@ -222,9 +222,13 @@ class StationSpec:
     # kept for the next station holding the same layers (mesh.core.model.packed_cache); "" keeps nothing
     packed_cache: str = ""
     cuda_graphs: bool = True  # on a CUDA device, replay decode waves as CUDA graphs (station.decode_graphs); False: eager
+    # on a CPU, ask Linux for transparent huge pages (2 MiB) for the packed weights and the KV cache
+    # (mesh.core.model.host_memory: decode faster where huge pages fault in fast); False: 4 KiB pages
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.cuda_graphs, bool), f"cuda_graphs: expected true or false, got {self.cuda_graphs!r}")
+        _require(isinstance(self.huge_pages, bool), f"huge_pages: expected true or false, got {self.huge_pages!r}")
         _require(isinstance(self.packed_cache, str), f"packed_cache: expected a directory path string, got "
                  f"{self.packed_cache!r}")
         _require(is_int(self.copy) and self.copy >= 0, f"copy: expected an integer >= 0, got {self.copy!r}")

@@ -13,7 +13,13 @@ Fresh memory costs a page fault per 4 KiB page first touched: on the VMs measure
   pay its faults inside the step (serving SmolLM2 over HTTP, rounds on never-touched blocks were ~10% slower:
   each new block is 180 faults, taken in the attention kernel's single-threaded KV store while the other thread
   waits), and the budget is resident shortly after start, as a KV cache preallocated up front would be.
-Transparent huge pages were measured too: 10 ms for 100 MiB on a good run, 220-450 ms on most; not used.
+- Both ask for transparent huge pages where the station's spec says so (StationSpec.huge_pages, on by default): the
+  range starts on a 2 MiB boundary and is advised MADV_HUGEPAGE, so the kernel backs it with 2 MiB pages where it
+  can (one TLB entry for what took 512; where the machine's THP setting is `never` nothing changes). A decode step
+  streams every weight once: on the Intel Xeon VM of session 48 a whole bench-preset station decodes 13-38% faster
+  at batch 1 and 6-15% at batch 16 (2 threads), and 100 MiB fault in in ~12 ms against ~26 ms in 4 KiB pages
+  (bench/out/huge_pages_s48.txt). On the AMD Zen 4 VM of session 39 a huge page took ~2 ms to fault in (a station's
+  load ~3x as long) for ~2% faster decode (bench/out/huge_pages_s39.txt): there `huge_pages: false` loads faster.
 """
 from __future__ import annotations
 
@@ -40,13 +46,32 @@ def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous CPU tensor of zeros whose pages the OS maps (zeroed) on first touch, not written here."""
+HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64 Linux)
+
+
+def fresh_bytes(nbytes: int, huge_pages: bool = True) -> torch.Tensor:
+    """nbytes (> 0) of fresh memory as a uint8 CPU tensor, its pages mapped zeroed by the OS on first touch; with
+    huge_pages (on Linux, from 2 MiB), starting on a 2 MiB boundary and advised MADV_HUGEPAGE."""
+    huge = huge_pages and sys.platform == "linux" and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
+    slack = HUGE_PAGE if huge else 0  # room to move the start to a huge page boundary
+    region = mmap.mmap(-1, nbytes + slack, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # the tensor (and any view of it) holds `region` open
+    start = -raw.data_ptr() % HUGE_PAGE if huge else 0
+    if huge:
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+        except OSError:  # a kernel built without transparent huge pages: 4 KiB pages, as without the advice
+            pass
+    return raw[start:start + nbytes]
+
+
+def zero_pages(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = True) -> torch.Tensor:
+    """A contiguous CPU tensor of zeros whose pages the OS maps (zeroed) on first touch, not written here (in huge
+    pages where asked and granted: fresh_bytes)."""
     nbytes = tensor_bytes(shape, dtype)
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(region, dtype=dtype).view(shape)  # the tensor holds `region` open while it lives
+    return fresh_bytes(nbytes, huge_pages).view(dtype).view(shape)
 
 
 def _populate(address: int, nbytes: int) -> None:
@@ -78,11 +103,12 @@ def populate_in_background(tensors: tuple[torch.Tensor, ...], name: str) -> thre
 
 
 class WeightArena:
-    """Tensors carved one after another out of one allocation of a size known up front, faulted in from a second
-    thread while they are filled; `close` waits for that thread (call it when the packing is done)."""
+    """Tensors carved one after another out of one allocation of a size known up front (in huge pages where asked and
+    granted: fresh_bytes), faulted in from a second thread while they are filled; `close` waits for that thread (call
+    it when the packing is done)."""
 
-    def __init__(self, nbytes: int) -> None:
-        self._bytes = torch.empty(nbytes, dtype=torch.uint8)
+    def __init__(self, nbytes: int, huge_pages: bool = True) -> None:
+        self._bytes = fresh_bytes(nbytes, huge_pages) if nbytes > 0 else torch.empty(0, dtype=torch.uint8)
         self._used = 0
         self._faulting = None
         if sys.platform == "linux" and nbytes >= 64 * PAGE:

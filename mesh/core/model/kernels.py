@@ -175,15 +175,16 @@ class LinearSetup:
 
 
 def use_linear_backend(model: nn.Module, backend: str, device: torch.device, dtype: torch.dtype,
-                       packed_cache: PackedCache | None = None) -> LinearSetup:
+                       packed_cache: PackedCache | None = None, huge_pages: bool = True) -> LinearSetup:
     """Set up every Linear of `model` for `backend` (see resolve_linear_backend). "packed" also moves the norms
     and RoPE to the native kernels (the attention context is the station's), and maps or stores the packed weights
-    in `packed_cache` where given (use_packed_linears)."""
+    in `packed_cache` where given, the others packed into memory in huge pages where `huge_pages` asks
+    (use_packed_linears)."""
     used = resolve_linear_backend(backend, device, dtype)
     if used != "packed" and any(isinstance(m, Linear) and m.quant_rows is not None for m in model.modules()):
         raise ValueError(f"linear_backend: {used} cannot run weights kept quantized (only packed can)")
     if used == "packed":
-        packed = use_packed_linears(model, packed_cache)
+        packed = use_packed_linears(model, packed_cache, huge_pages)
         use_native_layer_ops(model)
         return LinearSetup(used, packed)
     if used == "onednn":

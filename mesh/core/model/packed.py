@@ -251,7 +251,7 @@ def _fused(job: _PackJob) -> Linear:
     return linear
 
 
-def use_packed_linears(model: nn.Module, cache: PackedCache | None = None) -> PackedLoad:
+def use_packed_linears(model: nn.Module, cache: PackedCache | None = None, huge_pages: bool = True) -> PackedLoad:
     """Point every Linear of `model` at packed_linear (or quant_linear, for weights the loader kept quantized), its
     weight replaced by the packed copy in one WeightArena (a weight shared with the embedding is copied: the
     embedding keeps reading the dense one). q/k/v and gate/up run as one fused packed Linear each (one weight
@@ -273,7 +273,7 @@ def use_packed_linears(model: nn.Module, cache: PackedCache | None = None) -> Pa
     packed = [group for group, idx in groups.items() if weights[idx[0]] is None]  # the groups not in the cache
     to_pack = [i for group in packed for i in groups[group]]
     # the arena first: its pages fault in on another thread while the modules are rewired, then filled
-    arena = WeightArena(sum(aligned(tensor_bytes(*shapes[i])) for i in to_pack))
+    arena = WeightArena(sum(aligned(tensor_bytes(*shapes[i])) for i in to_pack), huge_pages)
     try:
         for i in to_pack:
             weights[i] = arena.take(*shapes[i])
