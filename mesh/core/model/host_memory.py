@@ -52,6 +52,8 @@ HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64 Linux)
 def fresh_bytes(nbytes: int, huge_pages: bool = True) -> torch.Tensor:
     """nbytes (> 0) of fresh memory as a uint8 CPU tensor, its pages mapped zeroed by the OS on first touch; with
     huge_pages (on Linux, from 2 MiB), starting on a 2 MiB boundary and advised MADV_HUGEPAGE."""
+    if not hasattr(mmap, "MAP_PRIVATE"):  # no POSIX mmap (Windows): zeros written by torch
+        return torch.zeros(nbytes, dtype=torch.uint8)
     huge = huge_pages and sys.platform == "linux" and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
     slack = HUGE_PAGE if huge else 0  # room to move the start to a huge page boundary
     region = mmap.mmap(-1, nbytes + slack, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
