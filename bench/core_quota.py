@@ -14,7 +14,8 @@ and each station's busy fraction, with the ratio the pair would make at the same
 idle (ratio / that station's busy fraction: what the idle costs; the split's own ceiling, `mesh bench
 pipeline_ceiling`, measures the same from the other side), and where each station's idle went (before its first
 step, its longest gap, the other gaps, after its last step: bench/idle_parts.py, from the stations' step
-timelines), with the median of its decode steps, the lone station's too. Runs on this VM type spread +-7%, so a figure is a median of rounds, never one run.
+timelines), with the median of its decode steps, the lone station's too. Runs on this VM type spread +-7%, so a
+figure is a median of rounds, never one run.
 --min-tokens (mixed lengths) and --max-wave-tokens measure other workloads the same way; they get no verdict.
 The last line printed is one JSON object.
 """
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         order = (1, 2) if r % 2 == 0 else (2, 1)
         got = {n: run_chain(args, n) for n in order}
         one, two = got[1], got[2]
+        lone = (one.get("idle_parts") or [None])[0]  # the lone station's steps (bench/idle_parts.py)
         ratio = two["tok_s"] / one["tok_s"]
         busiest = max(two["station_busy_fraction"])
         rounds.append({"one_tok_s": one["tok_s"], "two_tok_s": two["tok_s"], "ratio": ratio,
@@ -104,11 +106,11 @@ def main(argv: list[str] | None = None) -> int:
                        "orchestrator_cpu_ms_per_wave": two["cpu_ms_per_wave"]["driver"],
                        "wall_ms_per_wave": two["wall_ms_per_wave"], "busy": two["station_busy_fraction"],
                        "first_station_idle": two["idle_parts"][0], "second_station_idle": two["idle_parts"][1],
-                       "lone_station_idle": (one.get("idle_parts") or [None])[0]})
+                       "lone_station_idle": lone})
         print(f"round {r + 1}: one {one['tok_s']:.1f} tok/s, two {two['tok_s']:.1f} tok/s, {ratio:.3f}x, tokens "
               f"{one['outputs_sha256'][:12]} / {two['outputs_sha256'][:12]}, busy "
               f"{[round(b, 3) for b in two['station_busy_fraction']]} (never idle: {ratio / busiest:.3f}x)", flush=True)
-        named = [("the lone station", (one.get("idle_parts") or [None])[0])]
+        named = [("the lone station", lone)]
         named += [(f"the pair's {name} station", parts) for name, parts in zip(("first", "second"), two["idle_parts"])]
         for name, parts in named:
             if parts is not None:

@@ -35,6 +35,6 @@ def describe(parts: dict) -> str:
     idle = parts["window_ms"] - parts["busy_ms"]
     return (f"idle {idle:.0f} of {parts['window_ms']:.0f} ms: {parts['before_first_ms']:.1f} before its first "
             f"step, {parts['longest_gap_ms']:.1f} its longest gap, {parts['other_gaps_ms']:.1f} in "
-            f"{parts['other_gaps']} other gaps (median {parts['median_gap_ms']:.2f}), {parts['after_last_ms']:.1f} after its last step"
-            + (f"; its decode steps {parts['median_decode_step_ms']:.2f} ms at the median"
+            f"{parts['other_gaps']} other gaps (median {parts['median_gap_ms']:.2f}), {parts['after_last_ms']:.1f} "
+            "after its last step" + (f"; its decode steps {parts['median_decode_step_ms']:.2f} ms at the median"
                if parts["median_decode_step_ms"] is not None else ""))

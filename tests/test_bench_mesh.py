@@ -34,7 +34,8 @@ def test_bench_mesh_quick_runs(tiny_llama):
 def test_core_quota_quick_runs(tiny_llama):
     """`bench/core_quota.py` runs one station and two as separate chain.py processes and reports their ratio, the
     tokens of both (identical), the pair's busy fractions and what its ratio would be with its busiest station never
-    idle, ending with a JSON line."""
+    idle, where each station's idle went and its decode steps' median (the lone station's too), ending with a JSON
+    line."""
     pytest.importorskip("ray")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run([sys.executable, str(SCRIPT.parent / "core_quota.py"), "--model", str(tiny_llama), "--quick",
@@ -48,12 +49,13 @@ def test_core_quota_quick_runs(tiny_llama):
     assert len(only["busy"]) == 2 and all(0 < b <= 1 for b in only["busy"])
     assert only["ratio_never_idle"] == pytest.approx(only["ratio"] / max(only["busy"]))  # the idle's cost
     assert figures["median_ratio_never_idle"] == pytest.approx(only["ratio_never_idle"])
-    for which in ("first", "second"):  # from the stations' step timelines (bench/idle_parts.py)
-        idle = only[f"{which}_station_idle"]
+    for which, printed in (("first", "the pair's first"), ("second", "the pair's second"), ("lone", "the lone")):
+        idle = only[f"{which}_station_idle"]  # from the stations' step timelines (bench/idle_parts.py)
         assert idle["steps"] > 0 and 0 < idle["busy_ms"] < idle["window_ms"]
         assert sum(idle[k] for k in ("busy_ms", "before_first_ms", "longest_gap_ms", "other_gaps_ms", "after_last_ms")
                    ) == pytest.approx(idle["window_ms"], abs=0.01)  # wall-clock floats: ~0.2 us apart
-        assert f"the pair's {which} station: idle" in proc.stdout
+        assert 0 < idle["decode_steps"] <= idle["steps"] and 0 < idle["median_decode_step_ms"] < idle["busy_ms"]
+        assert f"{printed} station: idle" in proc.stdout
     assert figures["rounds_at_target"] == (figures["median_ratio"] >= figures["target"])
     assert figures["min_tokens"] == 3 and "no verdict (not the issue's workload)" in proc.stdout
 
