@@ -98,10 +98,12 @@ def test_the_arena_and_the_kv_cache_ask_for_huge_pages_unless_the_spec_says_not(
     cfg = ModelConfig.from_dir(tiny_llama)
     pool = KVPool(cfg, StationSpec(layers=(0, cfg.num_hidden_layers), kv_bytes=16 << 20))
     assert pool.k.data_ptr() % HUGE_PAGE == 0 and _thp_eligible(pool.k.data_ptr()) and not pool.k.any()
-    small = KVPool(cfg, StationSpec(layers=(0, cfg.num_hidden_layers), kv_bytes=16 << 20, huge_pages=False))
-    plain = WeightArena(8 << 20, huge_pages=False)
+    plain_pool = KVPool(cfg, StationSpec(layers=(0, cfg.num_hidden_layers), kv_bytes=16 << 20, huge_pages=False))
+    plain_arena = WeightArena(8 << 20, huge_pages=False)
     if _thp_mode() == "madvise":
-        assert not _thp_eligible(small.k.data_ptr()) and not _thp_eligible(plain.take((16,), torch.uint8).data_ptr())
-    for pool in (pool, small):
-        pool.populating.join(60)
+        assert not _thp_eligible(plain_pool.k.data_ptr())
+        assert not _thp_eligible(plain_arena.take((16,), torch.uint8).data_ptr())
+    plain_arena.close()
+    for each in (pool, plain_pool):  # their populate threads done before the test's memory goes
+        each.populating.join(60)
     assert fresh_bytes(HUGE_PAGE - 1).numel() == HUGE_PAGE - 1  # under one huge page: no advice, the size asked
