@@ -1,7 +1,9 @@
 /* Float32 linear over weights kept in GGUF's 32-weight blocks (Q8_0, Q4_0, Q4_1): out[t, n] = sum_k x[t, k] * w[n, k]
  * (+ bias[n]), each w[n, k] dequantized in registers to exactly the float32 the `gguf` package gives it:
- *   Q8_0: q * d          Q4_0: (q - 8) * d          Q4_1: q * d, rounded, then + m, rounded (no fused multiply-add)
- * with d and m the block's float16 scale and minimum. Each output is then the chain packed_linear.c computes: fused
+ *   Q8_0: q * d          Q4_0: (q - 8) * d          Q4_1: q * d, rounded, then + m, rounded
+ * with d and m the block's float16 scale and minimum. q * d is exact in float32 (an 11-bit float16 significand
+ * times an integer of at most 8 bits), so its rounding changes nothing and Q4_1's weight is one fused multiply-add,
+ * q * d + m rounded once: the same float32. Each output is then the chain packed_linear.c computes: fused
  * multiply-adds over k = 0, 1, ..., K-1 in order from zero, then the bias. So a station holding these weights gives
  * the bits of one holding them dequantized in packed float32 tiles, at every row count and thread count.
  *
@@ -34,10 +36,6 @@ QINLINE qivec ihigh(qivec v) { return _mm512_srli_epi32(v, 4); }
 QINLINE qivec iminus8(qivec v) { return _mm512_sub_epi32(v, _mm512_set1_epi32(8)); }
 QINLINE vec tofloat(qivec v) { return _mm512_cvtepi32_ps(v); }
 QINLINE vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-QINLINE vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-/* d * q is exact in float32 (an 11-bit fp16 mantissa times a 4- or 8-bit integer), so contraction could not change
- * a bit; the product is kept a separate rounded value all the same, as the reference computes it */
-#define ROUNDED(v) __asm__("" : "+v"(v))
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256i qivec;
 QINLINE qivec load_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
@@ -47,8 +45,6 @@ QINLINE qivec ihigh(qivec v) { return _mm256_srli_epi32(v, 4); }
 QINLINE qivec iminus8(qivec v) { return _mm256_sub_epi32(v, _mm256_set1_epi32(8)); }
 QINLINE vec tofloat(qivec v) { return _mm256_cvtepi32_ps(v); }
 QINLINE vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-QINLINE vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-#define ROUNDED(v) __asm__("" : "+x"(v))
 #endif
 
 /* The quant bytes of a group (after its scales and minimums). */
@@ -97,9 +93,7 @@ QINLINE vec dequantize_at(const uint8_t *q, const int qtype, const int high, vec
     if (qtype == Q8_0) return vmul(tofloat(load_i8(q)), d);
     qivec v = high ? ihigh(load_u8(q)) : ilow(load_u8(q));
     if (qtype == Q4_0) return vmul(tofloat(iminus8(v)), d);
-    vec p = vmul(tofloat(v), d);
-    ROUNDED(p);
-    return vadd(p, m);
+    return vfma(tofloat(v), d, m);  /* q * d exact: one rounding gives the gguf package's two (top of file) */
 }
 
 /* The 64 rows' weights of one k of a group (its quants qs, its widened scales d and minimums m), dequantized into
