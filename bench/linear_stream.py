@@ -45,8 +45,8 @@ def build(src: Path, out: Path) -> ctypes.CDLL:
     missing = [name for name in SIGNATURES if not hasattr(lib, name)]
     if missing:  # an older revision's kernels: their calls (and the fused layers' table) differ from these
         raise SystemExit(f"the kernels in {src} lack {', '.join(missing)}: they predate the station's native "
-                         "interface (session 46 added narrow tiles and the fused table's tile format); compare "
-                         "against a later revision")
+                         "interface (session 46 added narrow tiles and the fused table's tile format, session 49 a "
+                         "format per linear and fused_table_fields); compare against a later revision")
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None

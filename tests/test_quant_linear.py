@@ -10,12 +10,14 @@ from gguf.quants import dequantize, quantize
 from mesh.core.compute import on_compute_thread
 from mesh.core.config import ModelConfig, StationSpec
 from mesh.core.model.gguf_convert import convert_gguf
+from mesh.core.model.fused import FIELDS, QUANT_FORMAT
 from mesh.core.model.gguf_write import write_gguf
 from mesh.core.model.kernels import resolve_linear_backend, use_linear_backend
 from mesh.core.model.packed import pack_rows, pad_bias, packed_linear
 from mesh.core.model.llama import Linear
 from mesh.core.model.loader import load_range
-from mesh.core.model.quant_linear import QuantEmbedding, QuantFormatError, QuantRows, quant_linear, repack
+from mesh.core.model.quant_linear import (KERNEL_CODES, QuantEmbedding, QuantFormatError, QuantRows, quant_linear,
+                                          repack)
 from mesh.core.model.synthetic import write_checkpoint
 from mesh.core.params import SamplingParams
 from mesh.core.wave import WaveEntry
@@ -112,6 +114,32 @@ def test_station_keeps_gguf_weights_quantized_with_the_dequantized_bits(quant_fi
     assert torch.equal(_logits(quant, prompts, 0), _logits(dense, prompts, 0))  # batched prefill, bit for bit
     alone = _logits(quant, prompts[1:2], 10)
     assert torch.equal(alone, _logits(dense, prompts[1:2], 10))
+    assert quant.fused is not None  # the blocks run in the one native call per wave, as packed tiles do
+    formats = set(quant.fused.weights[:, len(FIELDS) - 4:].flatten().tolist())
+    assert formats == {QUANT_FORMAT + KERNEL_CODES[qtype]}
+    fused = _logits(quant, prompts, 20)
+    quant.fused = None  # the per-op path: one native call per linear
+    assert torch.equal(_logits(quant, prompts, 30), fused)
+
+
+def test_a_layer_of_blocks_and_float_tiles_runs_fused_with_the_dequantized_bits(tmp_path):
+    """A file mixing types within a layer (Q4_1, o_proj float16, down_proj float32, as quantizers mix them): the
+    station runs every layer in one native call, each linear in its own format, with the bits of the dequantized
+    checkpoint and of its own per-op path."""
+    src = write_checkpoint(tmp_path / "tiny", CFG)
+    path = write_gguf(src, tmp_path / "mixed.gguf", Q.Q4_1, qtype_of={"o_proj": Q.F16, "down_proj": Q.F32})
+    quant = Station(path, StationSpec(layers=(0, 4)))
+    dense = Station(convert_gguf(path, tmp_path / "hf", progress=False), StationSpec(layers=(0, 4)))
+    assert quant.fused is not None
+    formats = quant.fused.weights[:, len(FIELDS) - 4:]  # [layers, (qkv, o, gate_up, down)]
+    q4_1 = QUANT_FORMAT + KERNEL_CODES[Q.Q4_1]
+    assert set(formats[:, 0].tolist()) == set(formats[:, 2].tolist()) == {q4_1}
+    assert set(formats[:, 1].tolist()) | set(formats[:, 3].tolist()) <= {0, 1, 2}  # packed tiles
+    prompts = [[1, 17, 300, 45, 99, 7, 250], [5, 9], [400, 3, 77]]
+    want = _logits(dense, prompts, 0)
+    assert torch.equal(_logits(quant, prompts, 0), want)
+    quant.fused = None
+    assert torch.equal(_logits(quant, prompts, 10), want)
 
 
 def test_other_dtypes_and_unasked_loads_dequantize_as_before(quant_files):

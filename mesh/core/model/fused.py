@@ -1,7 +1,7 @@
 """A range's decoder layers in one native call (csrc/fused_layer.c), set up from outside the model.
 
-On the packed path (mesh.core.model.kernels; float32, bfloat16 or float16 tiles) each layer otherwise costs some
-twenty Python calls and small torch ops around its C kernels. `fuse_layers` collects every layer's packed weights
+On the packed path (mesh.core.model.kernels; float32, bfloat16 or float16 tiles, or GGUF blocks kept quantized)
+each layer otherwise costs some twenty Python calls and small torch ops around its C kernels. `fuse_layers` collects every layer's packed weights
 once into a table of addresses; `FusedLayers.run` then hands a whole wave to C, which loops over the layers calling
 the same kernels on the same inputs in the same order, so a row's bits are the per-op path's. A model whose layers
 are not all on the packed kernels (another backend, or a weight in another format) gets None, and keeps the per-op
@@ -18,18 +18,28 @@ from mesh.core.model.kernels import native_rmsnorm, native_rope, native_silu_mul
 from mesh.core.model.llama import DecoderLayer, Linear, LlamaRange, rope_cos_sin
 from mesh.core.model.native import load_native
 from mesh.core.model.packed import PACK_TILE, PACKED_DTYPES, PACKED_FORMATS, packed_linear
+from mesh.core.model.quant_linear import KERNEL_CODES, quant_linear
 
 FIELDS = ("input_norm", "post_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "gate_up_weight",
-          "down_weight", "weight_format")  # one row of the weights table, in csrc/fused_layer.c's order
+          "down_weight", "qkv_format", "o_format", "gate_up_format",
+          "down_format")  # one row of the weights table, in csrc/fused_layer.c's order
+QUANT_FORMAT = 3  # fused_layer.c: a linear's format from here on is QUANT_FORMAT + quant_linear.c's type code
 TIMED_PARTS = ("linears", "attention", "other")  # what `run(..., seconds=)` accumulates, in order
 
 
-def _is_packed(linear: Linear | None) -> bool:
-    """The Linear runs packed_linear on a weight in packed tiles [tiles, K, 64] (float32, bfloat16 or float16)."""
-    if linear is None or not (isinstance(linear.kernel, partial) and linear.kernel.func is packed_linear):
-        return False
+def weight_format(linear: Linear | None) -> int | None:
+    """The format code fused_layer.c runs the Linear's weight in: PACKED_FORMATS' for packed tiles [tiles, K, 64]
+    (float32, bfloat16 or float16) on packed_linear, QUANT_FORMAT + its type's code for GGUF blocks repacked for
+    quant_linear; None for any other kernel or weight."""
+    if linear is None or not isinstance(linear.kernel, partial):
+        return None
     w = linear.weight
-    return w.dtype in PACKED_DTYPES and w.dim() == 3 and w.shape[2] == PACK_TILE and w.is_contiguous()
+    if linear.kernel.func is packed_linear and w.dtype in PACKED_DTYPES and w.dim() == 3 and w.shape[2] == PACK_TILE \
+            and w.is_contiguous():
+        return PACKED_FORMATS[w.dtype]
+    if linear.kernel.func is quant_linear and w.dtype == torch.uint8 and w.dim() == 1 and w.is_contiguous():
+        return QUANT_FORMAT + KERNEL_CODES[linear.kernel.keywords["qtype"]]
+    return None
 
 
 def _linears(layer: DecoderLayer) -> tuple[Linear, ...]:
@@ -38,11 +48,11 @@ def _linears(layer: DecoderLayer) -> tuple[Linear, ...]:
 
 
 def _fusable(layer: DecoderLayer) -> bool:
-    """The layer's every op has the native kernel fused_layer.c calls, its four linears' tiles of one dtype."""
+    """The layer's every op has the native kernel fused_layer.c calls, each of its four linears a weight it runs."""
     attn, mlp = layer.self_attn, layer.mlp
     return (layer.input_layernorm.kernel is native_rmsnorm and layer.post_attention_layernorm.kernel is native_rmsnorm
             and attn.rope_kernel is native_rope and mlp.act_kernel is native_silu_mul
-            and all(_is_packed(m) for m in _linears(layer)) and len({m.weight.dtype for m in _linears(layer)}) == 1
+            and all(weight_format(m) is not None for m in _linears(layer))
             and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None)
 
 
@@ -62,11 +72,16 @@ class FusedLayers:
             rows.append([_address(t) for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                                attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
                                                attn.o_proj.bias, mlp.gate_up_proj.weight, mlp.down_proj.weight)]
-                        + [PACKED_FORMATS[attn.qkv_proj.weight.dtype]])
-        self.weights = torch.tensor(rows, dtype=torch.int64)  # [L, len(FIELDS)] addresses, tile format
+                        + [weight_format(m) for m in _linears(layer)])
+        self.weights = torch.tensor(rows, dtype=torch.int64)  # [L, len(FIELDS)] addresses, then formats
         self.shape = (cfg.hidden_size, len(rows), cfg.rms_norm_eps, cfg.num_attention_heads,
                       cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
         self.lib = load_native()[0]
+        fields = torch.zeros(1, dtype=torch.int64)
+        self.lib.fused_table_fields(fields.data_ptr())
+        if fields.item() != len(FIELDS):
+            raise RuntimeError(f"the native fused layers read rows of {fields.item()} fields, this code writes "
+                               f"{len(FIELDS)}: the library and the Python code are of different revisions")
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
             block_tokens: int, tables: torch.Tensor, row_table: torch.Tensor, row_pos: torch.Tensor, window: int,
@@ -94,7 +109,8 @@ class FusedLayers:
 
 
 def fuse_layers(model: nn.Module) -> FusedLayers | None:
-    """FusedLayers for `model` when every layer runs the packed kernels, else None (the per-op path)."""
+    """FusedLayers for `model` when every layer runs the packed (or quantized) kernels, else None (the per-op
+    path)."""
     if not isinstance(model, LlamaRange) or load_native()[0] is None:
         return None
     if not all(_fusable(layer) for layer in model.model.layers.values()):

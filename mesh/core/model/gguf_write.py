@@ -8,6 +8,7 @@ tokenizer goes into `tokenizer.ggml.*` with its chat template. No torch here.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -50,11 +51,12 @@ def _add_tokenizer(writer: GGUFWriter, model_dir: Path) -> None:
 
 
 def write_gguf(model_dir: str | Path, out_path: str | Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
-               arch: str | None = None) -> Path:
+               arch: str | None = None, qtype_of: Mapping[str, GGMLQuantizationType] | None = None) -> Path:
     """Write the single-file safetensors checkpoint at `model_dir` (float32 or bfloat16) as GGUF; matrices in
     `qtype` (BF16 among them: a bfloat16 checkpoint's values exactly).
 
-    `arch` overrides general.architecture (to write a file of an architecture this runtime refuses).
+    `arch` overrides general.architecture (to write a file of an architecture this runtime refuses); `qtype_of`
+    gives the matrices of some modules another type ({"o_proj": F16}: every layer's o_proj), as quantizers mix them.
     """
     model_dir, out = Path(model_dir), Path(out_path)
     cfg = ModelConfig.from_dir(model_dir)
@@ -74,8 +76,10 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, qtype: GGMLQuantizat
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_vocab_size(cfg.vocab_size)
     _add_tokenizer(writer, model_dir)
+    default_qtype = qtype
     for name in sorted(state):
         w = state[name].astype(np.float32)
+        qtype = next((t for module, t in (qtype_of or {}).items() if f".{module}." in name), default_qtype)
         if cfg.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             w = permute_rows(w, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
         if w.ndim == 1 or qtype == GGMLQuantizationType.F32:

@@ -126,6 +126,7 @@ SIGNATURES = {  # every exported function's argument types (all return void)
     "silu_mul_f32": [_PTR, _I64, _I64, _PTR, _INT],
     "fused_layers_f32": [_PTR, _I64, _I64, _I64, _PTR, _F32, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64,
                          _I64, _PTR, _PTR, _PTR, _I64, _F32, _PTR, _INT],
+    "fused_table_fields": [_PTR],
 }
 
 

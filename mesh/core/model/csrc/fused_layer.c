@@ -2,8 +2,8 @@
  *
  * Per layer: RMSNorm -> fused q/k/v linear -> RoPE -> KV write into the paged pool and paged attention -> o_proj
  * + residual -> RMSNorm -> fused gate/up linear -> SiLU(gate) * up -> down + residual, through the same kernels
- * the per-op path calls (packed_linear.c over float32, bfloat16 or float16 tiles, layer_ops.c), on the same inputs
- * in the same order: a row's bits are those of the per-op path, alone or in any company, at any thread count. The
+ * the per-op path calls (packed_linear.c over float32, bfloat16 or float16 tiles, quant_linear.c over GGUF blocks,
+ * layer_ops.c), on the same inputs in the same order: a row's bits are those of the per-op path, alone or in any company, at any thread count. The
  * scratch rows are allocated once per call and reused by every layer.
  */
 #include <math.h>
@@ -24,10 +24,26 @@ void paged_attention_f32(const float *q, const float *k, const float *v, int64_t
                          float scale, float *out, int threads);
 
 void silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out, int threads);
+void quant_linear_f32(const float *x, int64_t T, int64_t ldx, int64_t K, const uint8_t *wq, int qtype, int64_t N,
+                      const float *bias, float *out, int threads);
 
-/* One layer's parameters, as addresses in a row of the weights table (0: none), and the format of its packed
- * linears' tiles (register_tile.h's WeightFormat: 0 float32, 1 bfloat16, 2 float16; the four alike). */
-enum { IN_NORM, POST_NORM, QKV_W, QKV_B, O_W, O_B, GATE_UP_W, DOWN_W, WEIGHT_FORMAT, FIELDS };
+/* One layer's parameters, as addresses in a row of the weights table (0: none), and the format of each of its four
+ * linears' weights: register_tile.h's WeightFormat for packed tiles (0 float32, 1 bfloat16, 2 float16), or
+ * QUANT_FORMAT + quant_linear.c's type code (Q8_0, Q4_0, Q4_1) for GGUF blocks. */
+enum { IN_NORM, POST_NORM, QKV_W, QKV_B, O_W, O_B, GATE_UP_W, DOWN_W, QKV_FMT, O_FMT, GATE_UP_FMT, DOWN_FMT, FIELDS };
+#define QUANT_FORMAT 3
+
+/* The weights table's row width, for the caller to check against its own (fused.py's FIELDS). */
+void fused_table_fields(int64_t *fields) { *fields = FIELDS; }
+
+/* x [T, K] (row stride ldx) @ a linear's weight w in format fmt (+ padded bias) -> out [T, N]. */
+static void layer_linear(const float *x, int64_t T, int64_t ldx, int64_t K, const void *w, int64_t fmt, int64_t N,
+                         const float *bias, float *out, int threads) {
+    if (fmt >= QUANT_FORMAT)
+        quant_linear_f32(x, T, ldx, K, (const uint8_t *)w, (int)(fmt - QUANT_FORMAT), N, bias, out, threads);
+    else
+        packed_linear_any(x, T, ldx, K, w, (int)fmt, N, bias, out, threads);
+}
 
 static void add_rows(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = x[i] + y[i];
@@ -40,8 +56,8 @@ static void add_rows(float *x, const float *y, int64_t n) {
         if (seconds) seconds[slot] += omp_get_wtime() - t0_;      \
     } while (0)
 
-/* Run layers [0, L) over x [T, d] in place. weights [L][FIELDS]: each layer's norm weights, packed linears and
- * padded biases (csrc/packed_linear.c's layout), and its linears' tile format. H/KVH/D: heads, KV heads, head
+/* Run layers [0, L) over x [T, d] in place. weights [L][FIELDS]: each layer's norm weights, linear weights (packed
+ * tiles or repacked GGUF blocks) and padded biases, and its linears' formats. H/KVH/D: heads, KV heads, head
  * width; I: the MLP's width. cos/sin [T, D]. kc/vc: layer 0's paged K/V [blocks, KVH, BT, D], layer_stride floats
  * apart; tables/row_table/row_pos/window/scale as paged_attention_f32. seconds (NULL: not timed) accumulates
  * [linears, attention, other ops]. */
@@ -59,18 +75,17 @@ void fused_layers_f32(float *x, int64_t T, int64_t d, int64_t L, const int64_t *
         const int64_t *w = weights + l * FIELDS;
 #define P(f) ((const float *)(intptr_t)w[f])
         TIMED(2, rmsnorm_f32(x, T, d, d, P(IN_NORM), eps, h, threads));
-        const int fmt = (int)w[WEIGHT_FORMAT];
-        TIMED(0, packed_linear_any(h, T, d, d, P(QKV_W), fmt, qkv_n, P(QKV_B), qkv, threads));
+        TIMED(0, layer_linear(h, T, d, d, P(QKV_W), w[QKV_FMT], qkv_n, P(QKV_B), qkv, threads));
         TIMED(2, rope_f32(qkv, T, qkv_n, H, D, cos_, sin_, threads);
                  rope_f32(qkv + H * D, T, qkv_n, KVH, D, cos_, sin_, threads));
         TIMED(1, paged_attention_f32(qkv, qkv + H * D, qkv + (H + KVH) * D, qkv_n, qkv_n, T, H, KVH, D,
                                      kc + l * layer_stride, vc + l * layer_stride, BT, tables, row_table, row_pos,
                                      window, scale, att, threads));
-        TIMED(0, packed_linear_any(att, T, H * D, H * D, P(O_W), fmt, d, P(O_B), h, threads));
+        TIMED(0, layer_linear(att, T, H * D, H * D, P(O_W), w[O_FMT], d, P(O_B), h, threads));
         TIMED(2, add_rows(x, h, T * d); rmsnorm_f32(x, T, d, d, P(POST_NORM), eps, h, threads));
-        TIMED(0, packed_linear_any(h, T, d, d, P(GATE_UP_W), fmt, 2 * I, NULL, gu, threads));
+        TIMED(0, layer_linear(h, T, d, d, P(GATE_UP_W), w[GATE_UP_FMT], 2 * I, NULL, gu, threads));
         TIMED(2, silu_mul_f32(gu, T, I, act, threads));
-        TIMED(0, packed_linear_any(act, T, I, I, P(DOWN_W), fmt, d, NULL, h, threads));
+        TIMED(0, layer_linear(act, T, I, I, P(DOWN_W), w[DOWN_FMT], d, NULL, h, threads));
         TIMED(2, add_rows(x, h, T * d));
 #undef P
     }
