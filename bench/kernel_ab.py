@@ -1,6 +1,6 @@
 """A station's decode waves with two builds of its native kernels, alternated in one process (MEASUREMENT ONLY).
 
-    python bench/kernel_ab.py [--model smollm2|bench|DIR] [--base HEAD] [--batches 1,4,16] [--rounds 20] [--quick]
+    python bench/kernel_ab.py [--model smollm2|bench|DIR|FILE.gguf] [--base HEAD] [--batches 1,4,16] [--rounds 20] [--quick]
     mesh bench kernel_ab ...  (same arguments)
 
 Builds csrc/ twice, as committed at --base and as in the working tree (bench/linear_stream.py's `build`), loads one
@@ -33,7 +33,7 @@ import mesh.core.model.quant_linear as quant_linear  # noqa: E402
 from linear_stream import CSRC, build, checkout_csrc  # noqa: E402
 from mesh.control.cli import resolve_model  # noqa: E402
 from mesh.core.compute import on_compute_thread  # noqa: E402
-from mesh.core.config import StationSpec  # noqa: E402
+from mesh.core.config import ModelConfig, StationSpec  # noqa: E402
 from mesh.core.model.gguf_convert import SMOLLM2  # noqa: E402
 from station.step import Station  # noqa: E402
 from step import prompts, run_ours  # noqa: E402
@@ -63,7 +63,7 @@ def decode_round(station: Station, batch: int) -> tuple[float, list[int]]:
 def main(argv: list[str] | None = None) -> dict:
     """Run the A/B and print its table and JSON; returns the JSON object."""
     p = argparse.ArgumentParser(prog="mesh bench kernel_ab", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2", help="smollm2, bench (built-in presets) or a checkpoint directory")
+    p.add_argument("--model", default="smollm2", help="smollm2, bench (built-in presets), a checkpoint directory or a .gguf file")
     p.add_argument("--base", default="HEAD", help="git revision whose kernels are the baseline")
     p.add_argument("--batches", default="1,4,16", help="sequences per wave, comma-separated")
     p.add_argument("--rounds", type=int, default=20, help="pairs of rounds per batch (median taken)")
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     rounds, batches = (2, [1]) if a.quick else (a.rounds, [int(b) for b in a.batches.split(",")])
     model = resolve_model(None, PRESETS[a.model]) if a.model in PRESETS else Path(a.model)
-    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    layers = ModelConfig.from_dir(model).num_hidden_layers
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "base").mkdir()
         libs = {"base": build(checkout_csrc(a.base, Path(tmp) / "base"), Path(tmp) / "base.so"),
