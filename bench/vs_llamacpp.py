@@ -1,7 +1,7 @@
 """wavemesh against llama.cpp on the same weights (issue 12): decode, prefill and 16 clients over HTTP.
 
     mesh bench vs_llamacpp [--model smollm2|smollm2-q4_1|bench|bench-bf16] [--parts decode,prefill,http] [--rounds 5]
-                           [--threads 2] [--quick]
+                           [--threads 2] [--peer-no-repack] [--quick]
     python bench/vs_llamacpp.py ...  (same arguments)
 
 llama.cpp is built once by bench/llamacpp_peer.sh (from llama-cpp-python's sdist, into $WAVEMESH_CACHE/llamacpp;
@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--http-rounds", type=int, default=3, help="timed rounds per server start")
     p.add_argument("--http-cycles", type=int, default=2, help="server starts per side (order flips each cycle)")
     p.add_argument("--llamacpp-bin", help="folder with llama-bench and llama-server (default: build into the cache)")
+    p.add_argument("--peer-no-repack", action="store_true",
+                   help="llama.cpp without its load-time weight repacking (--repack 0 / --no-repack): on session 49's "
+                   "Intel VM its repacked Q4_1 path crashes in prefill and in llama-server")
     p.add_argument("--out", help=f"table file (default {OUT.relative_to(OUT.parents[2])}; none with --quick)")
     p.add_argument("--quick", action="store_true", help="one round, small counts, no --out file")
     a = p.parse_args(argv)

@@ -105,10 +105,11 @@ def ours_prefill(station: Station, tokens: int) -> float:
     return tokens / seconds
 
 
-def llama_bench(bin_dir: Path, gguf: Path, threads: int, pp: int, tg: int) -> dict[str, float]:
-    """One llama-bench run (one repetition after its warm-up) of pp`pp` and tg`tg` (0 skips one)."""
+def llama_bench(bin_dir: Path, gguf: Path, threads: int, pp: int, tg: int, repack: bool = True) -> dict[str, float]:
+    """One llama-bench run (one repetition after its warm-up) of pp`pp` and tg`tg` (0 skips one); `repack` False
+    turns off llama.cpp's load-time weight repacking."""
     cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", str(pp), "-n", str(tg), "-t", str(threads),
-           "-r", "1", "-o", "jsonl"]
+           "-r", "1", "-o", "jsonl", *([] if repack else ["--repack", "0"])]
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=1800)
     return parse_llama_bench(out.stdout)
 
@@ -124,10 +125,13 @@ def mesh_up_command(model_dir: Path, threads: int, clients: int, port: int, work
     return [sys.executable, "-m", "mesh.control.cli", "up", str(cfg)]
 
 
-def llama_server_command(bin_dir: Path, gguf: Path, threads: int, clients: int, ctx: int, port: int) -> list[str]:
-    """llama-server with `clients` slots sharing a `ctx`-token context, `threads` threads."""
+def llama_server_command(bin_dir: Path, gguf: Path, threads: int, clients: int, ctx: int, port: int,
+                         repack: bool = True) -> list[str]:
+    """llama-server with `clients` slots sharing a `ctx`-token context, `threads` threads (`repack` False: without
+    its load-time weight repacking)."""
     return [str(bin_dir / "llama-server"), "-m", str(gguf), "--parallel", str(clients), "-c", str(ctx),
-            "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1", "--port", str(port)]
+            "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1", "--port", str(port),
+            *([] if repack else ["--no-repack"])]
 
 
 class LoadClient:
@@ -192,7 +196,7 @@ def _bench_rounds(args, model_dir: Path, gguf: Path, bin_dir: Path, samples: dic
         for side in (("ours", "llama") if r % 2 == 0 else ("llama", "ours")):
             if side == "llama":
                 got = llama_bench(bin_dir, gguf, args.threads, args.prompt_tokens if prefill else 0,
-                                  args.gen_tokens if decode else 0)
+                                  args.gen_tokens if decode else 0, not args.peer_no_repack)
                 for kind, rate in got.items():
                     samples[f"llama_{kind}"].append(rate)
                 continue
@@ -225,7 +229,8 @@ def _http_rounds(args, model_dir: Path, gguf: Path, bin_dir: Path, samples: dict
             for side in (("ours", "llama") if cycle % 2 == 0 else ("llama", "ours")):
                 port = free_port()
                 cmd = (mesh_up_command(model_dir, args.threads, args.clients, port, Path(tmp)) if side == "ours"
-                       else llama_server_command(bin_dir, gguf, args.threads, args.clients, ctx, port))
+                       else llama_server_command(bin_dir, gguf, args.threads, args.clients, ctx, port,
+                                                 not args.peer_no_repack))
                 url, log = f"http://127.0.0.1:{port}", Path(tmp) / f"{side}-{cycle}.log"
                 proc = start_server(cmd, url, log, "mesh up" if side == "ours" else "llama-server")
                 load = LoadClient(url, args.clients)
@@ -268,6 +273,7 @@ def measure(args) -> tuple[dict[str, list[float]], dict]:
                 "parts": list(args.parts), "read_bytes": read_bytes, "model_dir": str(model_dir), "gguf": str(gguf),
                 "weights": WEIGHTS.get(args.model, "float32"),
                 "machine": f"{mach['cpu']}, {mach['cores']} cores, torch {mach['torch']}",
-                "peer_source": source.read_text().strip() if source.is_file() else str(bin_dir),
+                "peer_source": (source.read_text().strip() if source.is_file() else str(bin_dir))
+                + (" with --repack 0" if args.peer_no_repack else ""),
                 "load_avg": f"{os.getloadavg()[0]:.2f}"}
     return samples, settings
