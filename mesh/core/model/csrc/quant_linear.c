@@ -193,14 +193,30 @@ QINLINE void to_lane_order(const float *in, vec out[4]) {
     }
 }
 
+/* The 16 byte rows qs of a group for few_nibbles_of: k = 0..15 (xg: their x) from the nibbles `shift` (a constant:
+ * 0 low, 4 high) bits up in each byte, into the lane-order sums a. */
+QINLINE void nibbles_k(const float *xg, int64_t ldx, const int tb, const uint8_t *qs, const int qtype, const int shift,
+                       const vec table, const vec dl[4], const vec ml[4], vec a[FEW_ROWS][4]) {
+    for (int kk = 0; kk < GROUP / 2; kk++, qs += QTILE_N) {
+        _mm_prefetch((const char *)qs + FEW_ROWS_AHEAD_BYTES, _MM_HINT_T0);
+        __m512i line = _mm512_loadu_si512(qs);
+        for (int s = 0; s < 4; s++) {
+            vec q = _mm512_permutexvar_ps(_mm512_srli_epi32(line, 8 * s + shift), table);
+            vec w = qtype == Q4_0 ? vmul(q, dl[s]) : vfma(q, dl[s], ml[s]);
+            for (int i = 0; i < tb; i++) a[i][s] = vfma(vbroadcast(xg + i * ldx + kk), w, a[i][s]);
+        }
+    }
+}
+
 /* few_rows_of for Q4_0 / Q4_1 with AVX-512, the sums held in registers over the whole tile: a 64-byte line (one byte
  * row of the 64 columns) is loaded as 16 lanes of 4 bytes, so lane i holds columns 4i .. 4i + 3, and vector s of the
  * sums holds columns 4i + s. A column's nibble is then one shift of the line away (by 8 s, plus 4 for the high
  * nibbles), and a 16-entry lookup (vpermps reads an index's low 4 bits) gives its float32: no widening of bytes, no
  * mask, no conversion. Each weight is the same float32 (q * d + m, or (q - 8) * d, as dequantize_at) and each
  * column the same chain of fused multiply-adds over k in order, so the same bits; the sums go back to column order
- * in acc at the end. Used for one row: a SmolLM2 Q4_1 decode step at batch 1 0.97x the time (11 of 12 alternated
- * pairs faster), but 1.06x / 1.09x at 2 / 4 rows, where few_rows_of stays (session 49). */
+ * in acc at the end. The shifts must be immediates (nibbles_k's constant `shift`: with a loop's variable count the
+ * same code took 1.06-1.13x few_rows_of's time at 2-4 rows); one matrix in cache, one thread, 1-4 rows take
+ * 0.91-0.97x the time of few_rows_of (session 49). */
 QINLINE void few_nibbles_of(const float *x, int64_t ldx, const int tb, const uint8_t *tile, int64_t gbytes,
                             const int qtype, int64_t K, float *acc) {
     const vec table = qtype == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
@@ -219,18 +235,9 @@ QINLINE void few_nibbles_of(const float *x, int64_t ldx, const int tb, const uin
         if (qtype == Q4_1) to_lane_order(m, ml);
         const float *xg = x + g * GROUP;
         const uint8_t *qs = group_quants(grp, qtype);
-        for (int high = 0; high < 2; high++)  /* k = 0..15: low nibbles of byte rows 0..15; k = 16..31: high ones */
-            for (int kk = 0; kk < GROUP / 2; kk++) {
-                const uint8_t *row = qs + kk * QTILE_N;
-                _mm_prefetch((const char *)row + FEW_ROWS_AHEAD_BYTES, _MM_HINT_T0);
-                __m512i line = _mm512_loadu_si512(row);
-                for (int s = 0; s < 4; s++) {
-                    vec q = _mm512_permutexvar_ps(_mm512_srli_epi32(line, 8 * s + 4 * high), table);
-                    vec w = qtype == Q4_0 ? vmul(q, dl[s]) : vfma(q, dl[s], ml[s]);
-                    for (int i = 0; i < tb; i++)
-                        a[i][s] = vfma(vbroadcast(xg + i * ldx + high * (GROUP / 2) + kk), w, a[i][s]);
-                }
-            }
+        /* k = 0..15: low nibbles of byte rows 0..15; k = 16..31: their high ones */
+        nibbles_k(xg, ldx, tb, qs, qtype, 0, table, dl, ml, a);
+        nibbles_k(xg + GROUP / 2, ldx, tb, qs, qtype, 4, table, dl, ml, a);
     }
     for (int i = 0; i < tb; i++) {
         float lanes[QTILE_N] __attribute__((aligned(64)));
@@ -239,6 +246,17 @@ QINLINE void few_nibbles_of(const float *x, int64_t ldx, const int tb, const uin
     }
 }
 
+#endif
+
+#if defined(__AVX512F__)
+/* few_nibbles_of for qtype, T (1 .. FEW_ROWS) as a constant */
+#define FEW_NIBBLES_OF_TYPE(qt)                                                   \
+    switch (T) {                                                                  \
+        case 1: few_nibbles_of(x, ldx, 1, tile, gbytes, qt, K, acc); break;       \
+        case 2: few_nibbles_of(x, ldx, 2, tile, gbytes, qt, K, acc); break;       \
+        case 3: few_nibbles_of(x, ldx, 3, tile, gbytes, qt, K, acc); break;       \
+        default: few_nibbles_of(x, ldx, 4, tile, gbytes, qt, K, acc); break;      \
+    }
 #endif
 
 /* vectors of columns at a time for tb rows: with AVX2 at most 8 sums in registers (16 exist), with AVX-512 the
@@ -263,8 +281,8 @@ static void few_rows(const float *x, int64_t ldx, int64_t T, const uint8_t *tile
     switch (qtype) {  /* one specialized loop per type and row count */
         case Q8_0: FEW_ROWS_OF_TYPE(Q8_0); break;
 #if defined(__AVX512F__)
-        case Q4_0: if (T == 1) few_nibbles_of(x, ldx, 1, tile, gbytes, Q4_0, K, acc); else FEW_ROWS_OF_TYPE(Q4_0); break;
-        default: if (T == 1) few_nibbles_of(x, ldx, 1, tile, gbytes, Q4_1, K, acc); else FEW_ROWS_OF_TYPE(Q4_1); break;
+        case Q4_0: FEW_NIBBLES_OF_TYPE(Q4_0); break;
+        default: FEW_NIBBLES_OF_TYPE(Q4_1); break;
 #else
         case Q4_0: FEW_ROWS_OF_TYPE(Q4_0); break;
         default: FEW_ROWS_OF_TYPE(Q4_1); break;
