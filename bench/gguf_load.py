@@ -120,7 +120,7 @@ def _fresh_loads(n: int, gguf: Path, hf_dir: Path, layers: str, cache_dir: str) 
 def repack_speed(shape: str) -> dict[str, float]:
     """The Q4_1 repack's GB/s on one random [rows, K] weight read from memory (best of 5)."""
     rows, k = (int(x) for x in shape.split("x"))
-    raw = np.random.default_rng(0).integers(0, 255, (rows, k // BLOCK_WEIGHTS * 20), dtype=np.uint8)
+    raw = np.random.default_rng(0).integers(0, 255, (rows, k // BLOCK_WEIGHTS[Q.Q4_1] * 20), dtype=np.uint8)
     weight = QuantRows("w", Q.Q4_1, raw, k)
     out = torch.zeros(repacked_bytes([weight]), dtype=torch.uint8)
     flush, best = np.ones(64 << 20, np.uint8), float("inf")

@@ -58,6 +58,47 @@ def test_kernel_gives_the_packed_float32_bits_at_every_row_and_thread_count(qtyp
         assert torch.equal(one_thread, quant_linear(x, qw, bias, n, qtype))
 
 
+def _k_blocks(w: np.ndarray, qtype: Q, seed: int = 0) -> np.ndarray:
+    """Random K-quant blocks for a weight of w's shape (the gguf package cannot make K-quants): every quant, 6-bit
+    scale and minimum drawn at random, float16 d (and dmin) small and of either sign. Not w's values: the bits only
+    need to be any the format holds."""
+    rng = np.random.default_rng(seed + w.shape[0])
+    n, supers = w.shape[0], w.shape[1] // 256
+    size, d_at = (144, 0) if qtype == Q.Q4_K else (210, 208)
+    b = rng.integers(0, 256, (n, supers, size), dtype=np.uint8)
+    halves = 2 if qtype == Q.Q4_K else 1  # Q4_K: d and dmin
+    d = rng.uniform(2e-4, 2e-3, (n, supers, halves)) * rng.choice([-1.0, 1.0], (n, supers, halves))
+    b[..., d_at:d_at + 2 * halves] = d.astype(np.float16).view(np.uint8)
+    return b.reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K), ids=lambda q: q.name)
+def test_k_quants_give_the_packed_float32_bits_at_every_row_and_thread_count(qtype):
+    """Q4_K / Q6_K blocks, held as groups of 32 with float32 scales: the bits of their gguf-dequantized float32 in
+    packed tiles, at 1-17 rows, with and without a bias, in parts side by side in their row order, at one thread."""
+    for n, k in ((5, 256), (131, 512), (70, 768)):
+        raw = _k_blocks(np.zeros((n, k)), qtype, seed=k)
+        dense = torch.from_numpy(np.array(dequantize(raw, qtype), dtype=np.float32))
+        qw, bias = repack([QuantRows("w", qtype, raw, k)]), pad_bias(torch.randn(n))
+        x = torch.randn(17, k) * 3
+        for t in range(1, 18):
+            assert torch.equal(quant_linear(x[:t], qw, bias, n, qtype), packed_linear(x[:t], pack_rows([dense]), bias, n))
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one_thread = quant_linear(x, qw, None, n, qtype)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one_thread, packed_linear(x, pack_rows([dense]), None, n))
+    raw = _k_blocks(np.zeros((37, 256)), qtype, seed=1)
+    order = np.random.default_rng(2).permutation(37)
+    parts = [QuantRows("a", qtype, raw, 256), QuantRows("b", qtype, raw, 256, order)]
+    dense = torch.from_numpy(np.array(dequantize(raw, qtype), dtype=np.float32))
+    x = torch.randn(3, 256)
+    assert torch.equal(quant_linear(x, repack(parts), None, 74, qtype),
+                       packed_linear(x, pack_rows([dense, dense[torch.from_numpy(order)]]), None, 74))
+
+
 def test_parts_repack_side_by_side_in_their_row_order():
     (a, da), (b, db) = _blocks(70, 64, Q.Q4_1, 1), _blocks(37, 64, Q.Q4_1, 2)
     order = np.random.default_rng(3).permutation(70).astype(np.int64)
@@ -75,8 +116,10 @@ def test_malformed_blocks_are_refused_with_a_clear_error():
         QuantRows("w", Q.Q4_1, raw, 48)
     with pytest.raises(QuantFormatError, match="Q8_0 rows of"):
         QuantRows("w", Q.Q8_0, raw, 64)  # Q4_1 bytes read as Q8_0: 40 bytes a row is no whole block count
-    with pytest.raises(QuantFormatError, match="type Q6_K is not one the quantized kernel holds"):
-        QuantRows("w", Q.Q6_K, raw, 64)
+    with pytest.raises(QuantFormatError, match="type Q5_K is not one the quantized kernel holds"):
+        QuantRows("w", Q.Q5_K, raw, 64)
+    with pytest.raises(QuantFormatError, match=r"Q4_K rows of \[40\] uint8 do not hold 64 weights in blocks of 256"):
+        QuantRows("w", Q.Q4_K, raw, 64)  # a K-quant row holds whole super-blocks of 256
     with pytest.raises(QuantFormatError, match="differ in type or width"):
         repack([QuantRows("a", Q.Q4_1, raw, 64), QuantRows("b", Q.Q8_0, quantize(np.ones((2, 64), np.float32),
                                                                                     Q.Q8_0), 64)])
@@ -140,6 +183,38 @@ def test_a_layer_of_blocks_and_float_tiles_runs_fused_with_the_dequantized_bits(
     assert torch.equal(_logits(quant, prompts, 0), want)
     quant.fused = None
     assert torch.equal(_logits(quant, prompts, 10), want)
+
+
+def test_a_k_quant_file_runs_its_blocks_fused_with_the_dequantized_bits(tmp_path):
+    """A file of Q4_K and Q6_K matrices (as a Q4_K_M file mixes them) beside a Q8_0 embedding: the station keeps
+    every matrix as blocks, runs each layer in one native call, and gives the bits of the dequantized checkpoint."""
+    cfg = ModelConfig(arch="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)
+    src = write_checkpoint(tmp_path / "k", cfg)
+    kinds = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q4_K, "o_proj": Q.Q6_K, "gate_proj": Q.Q4_K,
+             "up_proj": Q.Q4_K, "down_proj": Q.Q6_K}
+    path = write_gguf(src, tmp_path / "k.gguf", Q.Q8_0, qtype_of=kinds,
+                      quantizer=lambda w, qt: _k_blocks(w, qt) if qt in kinds.values() else quantize(w, qt))
+    quant = Station(path, StationSpec(layers=(0, 2)))
+    dense = Station(convert_gguf(path, tmp_path / "hf", progress=False), StationSpec(layers=(0, 2)))
+    layouts = {m.weight_layout for m in quant.model.modules() if isinstance(m, Linear) and m.kernel is not None}
+    assert layouts == {"q4_k", "q6_k", "q8_0"}  # the tied head Q8_0
+    assert quant.fused is not None
+    formats = quant.fused.weights[:, len(FIELDS) - 4:]
+    assert formats.tolist() == [[QUANT_FORMAT + KERNEL_CODES[q] for q in (Q.Q4_K, Q.Q6_K, Q.Q4_K, Q.Q6_K)]] * 2
+    prompts = [[1, 17, 300, 45, 99, 7, 250], [5, 9], [400, 3, 77]]
+    want = _logits(dense, prompts, 0)
+    assert torch.equal(_logits(quant, prompts, 0), want)
+    quant.fused = None
+    assert torch.equal(_logits(quant, prompts, 10), want)
+    decode = [WaveEntry(30 + i, 0, 1, SamplingParams(max_tokens=4, temperature=0.0)) for i in range(2)]
+    for station in (quant, dense):  # one-row waves: the few-row kernels
+        out = station.forward(tuple(decode), token_ids=torch.tensor([3, 4]), want_logits=True)
+        station.release([30, 31])
+        if station is quant:
+            got = out.logits
+    assert torch.equal(got, out.logits)
 
 
 def test_other_dtypes_and_unasked_loads_dequantize_as_before(quant_files):

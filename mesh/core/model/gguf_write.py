@@ -8,7 +8,7 @@ tokenizer goes into `tokenizer.ggml.*` with its chat template. No torch here.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -51,12 +51,15 @@ def _add_tokenizer(writer: GGUFWriter, model_dir: Path) -> None:
 
 
 def write_gguf(model_dir: str | Path, out_path: str | Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
-               arch: str | None = None, qtype_of: Mapping[str, GGMLQuantizationType] | None = None) -> Path:
+               arch: str | None = None, qtype_of: Mapping[str, GGMLQuantizationType] | None = None,
+               quantizer: Callable[[np.ndarray, GGMLQuantizationType], np.ndarray] = quantize) -> Path:
     """Write the single-file safetensors checkpoint at `model_dir` (float32 or bfloat16) as GGUF; matrices in
     `qtype` (BF16 among them: a bfloat16 checkpoint's values exactly).
 
     `arch` overrides general.architecture (to write a file of an architecture this runtime refuses); `qtype_of`
-    gives the matrices of some modules another type ({"o_proj": F16}: every layer's o_proj), as quantizers mix them.
+    gives the matrices of some modules another type ({"o_proj": F16}: every layer's o_proj), as quantizers mix them;
+    `quantizer` makes a matrix's blocks (the `gguf` package's by default, which has none for the K-quants: a test
+    may bring its own).
     """
     model_dir, out = Path(model_dir), Path(out_path)
     cfg = ModelConfig.from_dir(model_dir)
@@ -87,7 +90,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, qtype: GGMLQuantizat
         elif qtype in FLOAT_TYPES:
             writer.add_tensor(gguf_name(name), w.astype(FLOAT_TYPES[qtype]))
         else:
-            writer.add_tensor(gguf_name(name), quantize(w, qtype), raw_dtype=qtype)
+            writer.add_tensor(gguf_name(name), quantizer(w, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,9 +1,10 @@
 """Linear weights kept in GGUF's quantized blocks on the station's packed float32 CPU path.
 
-A station loading a GGUF with the packed backend keeps its Q8_0, Q4_0 and Q4_1 linear weights as they are in the
-file: `QuantRows` names a weight's rows of 32-weight blocks (memory-mapped, nothing read), `repack` lays them out
-once for csrc/quant_linear.c (a byte transpose into tiles of 64 output rows, the float16 scales gathered beside them),
-and `quant_linear` computes x W^T from that layout, dequantizing in registers. Each weight dequantizes to exactly
+A station loading a GGUF with the packed backend keeps its Q8_0, Q4_0, Q4_1, Q4_K and Q6_K linear weights as they
+are in the file: `QuantRows` names a weight's rows of blocks (memory-mapped, nothing read), `repack` lays them out
+once for csrc/quant_linear.c (a byte transpose into tiles of 64 output rows, the float16 scales gathered beside them;
+the K-quants as groups of 32 with their exact float32 scales, mesh.core.model.quant_kblocks), and `quant_linear`
+computes x W^T from that layout, dequantizing in registers. Each weight dequantizes to exactly
 the float32 the `gguf` package (and mesh.core.model.gguf_dequant) gives it, and each output is the fused
 multiply-add chain of the packed float32 kernel, so the station's bits are those of a station holding the
 dequantized weights in packed tiles: the same tokens as transformers loading the GGUF, at every batch and thread
@@ -22,13 +23,17 @@ from torch import nn
 
 from mesh.core.model.gguf_dequant import dequantize_f32
 from mesh.core.model.native import load_native
+from mesh.core.model.quant_kblocks import SUPER, SUPER_BYTES, groups_bytes, repack_k
 
-KERNEL_CODES = {Q.Q8_0: 0, Q.Q4_0: 1, Q.Q4_1: 2}  # the types quant_linear.c holds, by its enum
-BLOCK_WEIGHTS = 32
-BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}  # float16 scale (and minimum), then the quants
+KERNEL_CODES = {Q.Q8_0: 0, Q.Q4_0: 1, Q.Q4_1: 2, Q.Q4_K: 3, Q.Q6_K: 4}  # the types quant_linear.c holds, by its enum
+K_TYPES = (Q.Q4_K, Q.Q6_K)  # laid out in Python (quant_kblocks), the others by csrc/quant_repack.c
+GROUP_WEIGHTS = 32  # k per group of the layout, every type
+BLOCK_WEIGHTS = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_1: 32, Q.Q4_K: SUPER, Q.Q6_K: SUPER}  # weights per block in the file
+BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20, **SUPER_BYTES}  # float16 scale (and minimum), then the quants
 TILE_ROWS = 64
 REPACK_THREADS = 1  # a byte transpose, ~4 G weights/s on one core; a second thread's wake-up costs more where busy
-GROUP_BYTES = {Q.Q8_0: 64 * 2 + 32 * 64, Q.Q4_0: 64 * 2 + 16 * 64, Q.Q4_1: 64 * 4 + 16 * 64}  # one tile's group
+GROUP_BYTES = {Q.Q8_0: 64 * 2 + 32 * 64, Q.Q4_0: 64 * 2 + 16 * 64, Q.Q4_1: 64 * 4 + 16 * 64,
+               **{q: groups_bytes(q) for q in K_TYPES}}  # one tile's group
 
 
 class QuantFormatError(ValueError):
@@ -50,12 +55,13 @@ class QuantRows:
         if self.qtype not in KERNEL_CODES:
             raise QuantFormatError(f"{self.name}: type {self.qtype.name} is not one the quantized kernel holds "
                                    f"({', '.join(q.name for q in KERNEL_CODES)})")
-        want = self.in_features // BLOCK_WEIGHTS * BLOCK_BYTES[self.qtype]
-        if (self.in_features % BLOCK_WEIGHTS or self.raw.dtype != np.uint8 or self.raw.ndim != 2
+        block = BLOCK_WEIGHTS[self.qtype]
+        want = self.in_features // block * BLOCK_BYTES[self.qtype]
+        if (self.in_features % block or self.raw.dtype != np.uint8 or self.raw.ndim != 2
                 or self.raw.shape[1] != want):
             raise QuantFormatError(
                 f"{self.name}: {self.qtype.name} rows of {list(self.raw.shape[1:])} {self.raw.dtype} do not hold "
-                f"{self.in_features} weights in blocks of {BLOCK_WEIGHTS} ({BLOCK_BYTES[self.qtype]} bytes each)")
+                f"{self.in_features} weights in blocks of {block} ({BLOCK_BYTES[self.qtype]} bytes each)")
         if self.order is not None and (self.order.dtype != np.int64 or self.order.ndim != 1 or len(self.order) == 0
                                        or self.order.min() < 0 or self.order.max() >= self.raw.shape[0]):
             raise QuantFormatError(f"{self.name}: row order is not int64 row indices of its {self.raw.shape[0]} rows")
@@ -69,7 +75,7 @@ class QuantRows:
 def repacked_bytes(parts: Sequence[QuantRows]) -> int:
     """The bytes `repack(parts)` fills: whole tiles of 64 rows, each K / 32 groups."""
     tiles = -(-sum(p.out_features for p in parts) // TILE_ROWS)
-    return tiles * (parts[0].in_features // BLOCK_WEIGHTS) * GROUP_BYTES[parts[0].qtype]
+    return tiles * (parts[0].in_features // GROUP_WEIGHTS) * GROUP_BYTES[parts[0].qtype]
 
 
 def repack(parts: Sequence[QuantRows], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,16 +84,19 @@ def repack(parts: Sequence[QuantRows], out: torch.Tensor | None = None) -> torch
     qtype, k = parts[0].qtype, parts[0].in_features
     if any(p.qtype != qtype or p.in_features != k for p in parts):
         raise QuantFormatError(f"{', '.join(p.name for p in parts)}: parts of one weight differ in type or width")
-    lib, why = load_native()
-    if lib is None:
-        raise RuntimeError(why)
-    raws = [np.ascontiguousarray(p.raw) for p in parts]
-    orders = [None if p.order is None else np.ascontiguousarray(p.order) for p in parts]
     nbytes = repacked_bytes(parts)
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8)
     elif out.dtype != torch.uint8 or out.shape != (nbytes,) or not out.is_contiguous():
         raise ValueError(f"repack: out must be contiguous uint8 [{nbytes}], got {out.dtype} {list(out.shape)}")
+    if qtype in K_TYPES:
+        repack_k([(p.raw, p.order) for p in parts], qtype, out.numpy())
+        return out
+    lib, why = load_native()
+    if lib is None:
+        raise RuntimeError(why)
+    raws = [np.ascontiguousarray(p.raw) for p in parts]
+    orders = [None if p.order is None else np.ascontiguousarray(p.order) for p in parts]
     n = len(parts)
     lib.quant_repack((ctypes.c_void_p * n)(*(r.ctypes.data for r in raws)),
                      (ctypes.c_int64 * n)(*(p.out_features for p in parts)),

@@ -82,6 +82,11 @@ static float half_to_float(uint16_t h) {
 /* A group's 64 float16 scales (and, for Q4_1, 64 minimums) widened to float32 into d (and m): exact, the values
  * the gguf package gives. */
 QINLINE void group_scales(const uint8_t *grp, const int qtype, float *d, float *m) {
+    if (float_scales(qtype)) {  /* the K kinds: already float32 (scales, then minimums or second scales) */
+        memcpy(d, grp, QTILE_N * sizeof(float));
+        memcpy(m, grp + QTILE_N * sizeof(float), QTILE_N * sizeof(float));
+        return;
+    }
     const uint16_t *h = (const uint16_t *)grp;
     for (int sc = 0; sc < (qtype == Q4_1 ? 2 : 1); sc++) {
         float *out = sc ? m : d;
@@ -98,7 +103,7 @@ QINLINE void group_scales(const uint8_t *grp, const int qtype, float *d, float *
  * k mod 16, its high nibbles when `high`), their scales d and minimums m (float32): the float32 the gguf package
  * gives each. */
 QINLINE vec dequantize_at(const uint8_t *q, const int qtype, const int high, vec d, vec m) {
-    if (qtype == Q8_0) return vmul(tofloat(load_i8(q)), d);
+    if (byte_quants(qtype)) return vmul(tofloat(load_i8(q)), d);
     qivec v = high ? ihigh(load_u8(q)) : ilow(load_u8(q));
     if (qtype == Q4_0) return vmul(tofloat(iminus8(v)), d);
     return vfma(tofloat(v), d, m);  /* q * d exact: one rounding gives the gguf package's two (top of file) */
@@ -107,10 +112,12 @@ QINLINE vec dequantize_at(const uint8_t *q, const int qtype, const int high, vec
 /* The 64 rows' weights of one k of a group (its quants qs, its widened scales d and minimums m), dequantized into
  * w[64] (qtype a constant where inlined). */
 QINLINE void decode_k(const uint8_t *qs, const int qtype, int k, const float *d, const float *m, float *w) {
-    const uint8_t *q = qs + (int64_t)(qtype == Q8_0 ? k : k & 15) * QTILE_N;  /* Q4: byte row k mod 16 */
-    const int high = qtype != Q8_0 && k >= 16;
+    const uint8_t *q = qs + (int64_t)(byte_quants(qtype) ? k : k & 15) * QTILE_N;  /* Q4: byte row k mod 16 */
+    const int high = !byte_quants(qtype) && k >= 16;
+    const float *scale = qtype == Q6_KF && k >= 16 ? m : d;  /* Q6_KF: the second sub-block's scales */
     for (int j = 0; j < QTILE_N; j += LANES)
-        vstore(w + j, dequantize_at(q + j, qtype, high, vload(d + j), qtype == Q4_1 ? vload(m + j) : vload(d + j)));
+        vstore(w + j, dequantize_at(q + j, qtype, high, vload(scale + j), with_minimum(qtype) ? vload(m + j)
+                                                                                              : vload(scale + j)));
 }
 
 /* Weights k0 .. k0 + kb - 1 of one tile (k0 and kb multiples of 32: whole groups), dequantized into wb [kb][64]. */
@@ -127,6 +134,8 @@ static void decode_block(const uint8_t *tile, int64_t gbytes, int qtype, int64_t
     switch (qtype) {  /* one specialized decoder per type */
         case Q8_0: decode_block_of(tile, gbytes, Q8_0, k0, kb, wb); break;
         case Q4_0: decode_block_of(tile, gbytes, Q4_0, k0, kb, wb); break;
+        case Q4_KF: decode_block_of(tile, gbytes, Q4_KF, k0, kb, wb); break;
+        case Q6_KF: decode_block_of(tile, gbytes, Q6_KF, k0, kb, wb); break;
         default: decode_block_of(tile, gbytes, Q4_1, k0, kb, wb); break;
     }
 }
@@ -145,7 +154,7 @@ QINLINE void few_rows_k(const float *xg, int64_t ldx, const int tb, const int cv
         if (ask) _mm_prefetch((const char *)q + FEW_ROWS_AHEAD_BYTES, _MM_HINT_T0);  /* this k's line, ahead */
         for (int j = 0; j < cv; j++) {
             vec w = dequantize_at(q + j * LANES, qtype, high, vload(d + j * LANES),
-                                  qtype == Q4_1 ? vload(m + j * LANES) : vload(d + j * LANES));
+                                  with_minimum(qtype) ? vload(m + j * LANES) : vload(d + j * LANES));
             for (int i = 0; i < tb; i++) a[i][j] = vfma(vbroadcast(xg + i * ldx + k0 + kk), w, a[i][j]);
         }
     }
@@ -172,6 +181,10 @@ QINLINE void few_rows_of(const float *x, int64_t ldx, const int tb, const int cv
                 for (int j = 0; j < cv; j++) a[i][j] = vload(acc + i * QTILE_N + c0 + j * LANES);
             if (qtype == Q8_0) {
                 few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, 0, GROUP, 0, d + c0, m + c0, c0 == 0, a);
+            } else if (qtype == Q6_KF) {  /* k = 0..15 at the first sub-block's scales, k = 16..31 at the second's */
+                few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, 0, GROUP / 2, 0, d + c0, d + c0, c0 == 0, a);
+                few_rows_k(xg, ldx, tb, cv, qs + GROUP / 2 * QTILE_N + c0, qtype, GROUP / 2, GROUP / 2, 0, m + c0,
+                           m + c0, c0 == 0, a);
             } else {  /* k = 0..15 from the low nibbles of byte rows 0..15, then k = 16..31 from their high ones */
                 few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, 0, GROUP / 2, 0, d + c0, m + c0, c0 == 0, a);
                 few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, GROUP / 2, GROUP / 2, 1, d + c0, m + c0, c0 == 0, a);
@@ -232,7 +245,7 @@ QINLINE void few_nibbles_of(const float *x, int64_t ldx, const int tb, const uin
         vec dl[4], ml[4];
         group_scales(grp, qtype, d, m);
         to_lane_order(d, dl);
-        if (qtype == Q4_1) to_lane_order(m, ml);
+        if (with_minimum(qtype)) to_lane_order(m, ml);
         const float *xg = x + g * GROUP;
         const uint8_t *qs = group_quants(grp, qtype);
         /* k = 0..15: low nibbles of byte rows 0..15; k = 16..31: their high ones */
@@ -280,11 +293,14 @@ static void few_rows(const float *x, int64_t ldx, int64_t T, const uint8_t *tile
                      int64_t K, float *acc) {
     switch (qtype) {  /* one specialized loop per type and row count */
         case Q8_0: FEW_ROWS_OF_TYPE(Q8_0); break;
+        case Q6_KF: FEW_ROWS_OF_TYPE(Q6_KF); break;
 #if defined(__AVX512F__)
         case Q4_0: FEW_NIBBLES_OF_TYPE(Q4_0); break;
+        case Q4_KF: FEW_NIBBLES_OF_TYPE(Q4_KF); break;
         default: FEW_NIBBLES_OF_TYPE(Q4_1); break;
 #else
         case Q4_0: FEW_ROWS_OF_TYPE(Q4_0); break;
+        case Q4_KF: FEW_ROWS_OF_TYPE(Q4_KF); break;
         default: FEW_ROWS_OF_TYPE(Q4_1); break;
 #endif
     }

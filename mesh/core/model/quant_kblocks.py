@@ -1,0 +1,85 @@
+"""GGUF's Q4_K and Q6_K weights laid out for csrc/quant_linear.c as groups of 32 with float32 scales (no torch).
+
+A K-quant super-block holds 256 weights: Q4_K eight sub-blocks of 32, each a 6-bit scale and minimum under the
+block's float16 d and dmin, 4-bit quants; Q6_K sixteen sub-blocks of 16, each an int8 scale under the block's d,
+6-bit quants. The gguf package (and so transformers) dequantizes them in float32 as
+
+    Q4_K: w = (d * sc) * q - dmin * m        Q6_K: w = (d * sc) * (q - 32)
+
+where d * sc and dmin * m are exact (an 11-bit float16 significand times a 6- or 8-bit integer) and so is
+(d * sc) * q for Q4_K's 4-bit q: one rounding each. Here each group of 32 k gets those exact products as float32
+(csrc/quant_blocks.h's Q4_KF: the scale and the negated minimum, w = q * D + M in one fused multiply-add; Q6_KF: the
+scales of its two sub-blocks, w = (q - 32) * D), so the kernel computes the package's float32 of every weight and
+the station keeps the bits of one holding the dequantized weights. The layout is quant_blocks.h's: tiles of 64
+output rows, each group the 64 rows' float32 scales, minimums or second scales, then the quants transposed
+[byte row][64 rows] (Q4_KF as Q4_1 keeps them: byte b holds k = b low and k = b + 16 high; Q6_KF signed bytes).
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+SUPER = 256  # weights per K-quant super-block
+SUPER_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210}
+GROUP, TILE = 32, 64
+QUANT_ROWS = {Q.Q4_K: 16, Q.Q6_K: 32}  # byte rows a group's quants take in the layout
+
+
+def _half(b: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 (little-endian float16) -> [...] float32."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of Q4_K super-blocks -> (scales D, minimums M [rows, groups] float32, quant bytes [rows, groups, 16])."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, SUPER_BYTES[Q.Q4_K])
+    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])  # [rows, supers]
+    s = b[..., 4:16].reshape(rows, -1, 3, 4)  # the 12 bytes of 6-bit scales and minimums
+    sc = np.concatenate([s[..., 0, :] & 0x3F, (s[..., 2, :] & 0x0F) | ((s[..., 0, :] >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([s[..., 1, :] & 0x3F, (s[..., 2, :] >> 4) | ((s[..., 1, :] >> 2) & 0x30)], axis=-1)
+    scale = d[..., None] * sc.astype(np.float32)  # [rows, supers, 8] exact
+    minimum = -(dmin[..., None] * mn.astype(np.float32))  # negated: w = q * D + M
+    qs = b[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(rows, -1, GROUP)  # [rows, groups, 32] in k order: sub-block 2c low, 2c + 1 high
+    quants = q[..., :16] | (q[..., 16:] << 4)  # as Q4_1 holds a group: byte b = k b low, k b + 16 high
+    return scale.reshape(rows, -1), minimum.reshape(rows, -1), quants
+
+
+def _q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of Q6_K super-blocks -> (first and second sub-blocks' scales [rows, groups] float32, signed quant bytes
+    [rows, groups, 32])."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, SUPER_BYTES[Q.Q6_K])
+    ql, qh = b[..., :128], b[..., 128:192]
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)  # [rows, supers, 16]
+    scale = (_half(b[..., 208:210])[..., None] * sc).reshape(rows, -1, 2)  # [rows, groups, (k < 16, k >= 16)] exact
+    low = (ql.reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+    high = (qh.reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03
+    q = (low.reshape(rows, -1, GROUP) | (high.reshape(rows, -1, GROUP) << 4)).astype(np.int8) - np.int8(32)
+    return scale[..., 0], scale[..., 1], q.view(np.uint8)
+
+
+def groups_bytes(qtype: Q) -> int:
+    """Bytes of one group of a 64-row tile: two float32 vectors, then the quants."""
+    return TILE * 8 + QUANT_ROWS[qtype] * TILE
+
+
+def repack_k(parts: list[tuple[np.ndarray, np.ndarray | None]], qtype: Q, out: np.ndarray) -> None:
+    """The parts' rows (raw super-blocks [rows, bytes], HF row order or None) one after another into `out` (uint8,
+    tiles x groups x groups_bytes(qtype), zero rows past the last)."""
+    convert = _q4_k if qtype == Q.Q4_K else _q6_k
+    pieces = [convert(raw if order is None else raw[order]) for raw, order in parts]
+    first, second, quants = (np.concatenate([p[i] for p in pieces]) for i in range(3))
+    n, groups = first.shape
+    tiles = -(-n // TILE)
+    layout = out.reshape(tiles, groups, groups_bytes(qtype))
+    layout[:] = 0
+    for at, values in ((0, first), (TILE * 4, second)):
+        padded = np.zeros((tiles * TILE, groups), np.float32)
+        padded[:n] = values
+        layout[..., at:at + TILE * 4].view(np.float32)[:] = padded.reshape(tiles, TILE, groups).transpose(0, 2, 1)
+    padded = np.zeros((tiles * TILE, groups, QUANT_ROWS[qtype]), np.uint8)
+    padded[:n] = quants
+    layout[..., TILE * 8:].reshape(tiles, groups, QUANT_ROWS[qtype], TILE)[:] = (
+        padded.reshape(tiles, TILE, groups, QUANT_ROWS[qtype]).transpose(0, 2, 3, 1))
