@@ -27,6 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from mesh.core.model.fused import FIELDS  # noqa: E402
 from mesh.core.model.native import SIGNATURES, build_library  # noqa: E402
 from mesh.core.model.packed import pack_rows  # noqa: E402
 
@@ -50,6 +51,12 @@ def build(src: Path, out: Path) -> ctypes.CDLL:
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
+    fields = torch.zeros(1, dtype=torch.int64)
+    lib.fused_table_fields(fields.data_ptr())
+    if fields.item() != len(FIELDS):  # a station switched onto it would hand it rows it reads otherwise
+        raise SystemExit(f"the kernels in {src} read fused-layer table rows of {fields.item()} fields, this tree writes "
+                         f"{len(FIELDS)} (session 49 added q, k and v apart): compare against a revision whose table "
+                         "is this one's")
     return lib
 
 

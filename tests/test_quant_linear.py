@@ -158,7 +158,8 @@ def test_station_keeps_gguf_weights_quantized_with_the_dequantized_bits(quant_fi
     alone = _logits(quant, prompts[1:2], 10)
     assert torch.equal(alone, _logits(dense, prompts[1:2], 10))
     assert quant.fused is not None  # the blocks run in the one native call per wave, as packed tiles do
-    formats = set(quant.fused.weights[:, len(FIELDS) - 4:].flatten().tolist())
+    at = FIELDS.index("qkv_format")
+    formats = set(quant.fused.weights[:, at:at + 4].flatten().tolist())
     assert formats == {QUANT_FORMAT + KERNEL_CODES[qtype]}
     fused = _logits(quant, prompts, 20)
     quant.fused = None  # the per-op path: one native call per linear
@@ -174,7 +175,8 @@ def test_a_layer_of_blocks_and_float_tiles_runs_fused_with_the_dequantized_bits(
     quant = Station(path, StationSpec(layers=(0, 4)))
     dense = Station(convert_gguf(path, tmp_path / "hf", progress=False), StationSpec(layers=(0, 4)))
     assert quant.fused is not None
-    formats = quant.fused.weights[:, len(FIELDS) - 4:]  # [layers, (qkv, o, gate_up, down)]
+    at = FIELDS.index("qkv_format")
+    formats = quant.fused.weights[:, at:at + 4]  # [layers, (qkv, o, gate_up, down)]
     q4_1 = QUANT_FORMAT + KERNEL_CODES[Q.Q4_1]
     assert set(formats[:, 0].tolist()) == set(formats[:, 2].tolist()) == {q4_1}
     assert set(formats[:, 1].tolist()) | set(formats[:, 3].tolist()) <= {0, 1, 2}  # packed tiles
@@ -186,13 +188,14 @@ def test_a_layer_of_blocks_and_float_tiles_runs_fused_with_the_dequantized_bits(
 
 
 def test_a_k_quant_file_runs_its_blocks_fused_with_the_dequantized_bits(tmp_path):
-    """A file of Q4_K and Q6_K matrices (as a Q4_K_M file mixes them) beside a Q8_0 embedding: the station keeps
-    every matrix as blocks, runs each layer in one native call, and gives the bits of the dequantized checkpoint."""
+    """A file of Q4_K and Q6_K matrices (as a Q4_K_M file mixes them: v in Q6_K beside q and k in Q4_K, so the three
+    cannot share one weight) beside a Q8_0 embedding: the station keeps every matrix as blocks, runs each layer in
+    one native call (q, k and v as three linears there), and gives the bits of the dequantized checkpoint."""
     cfg = ModelConfig(arch="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
                       rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)
     src = write_checkpoint(tmp_path / "k", cfg)
-    kinds = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q4_K, "o_proj": Q.Q6_K, "gate_proj": Q.Q4_K,
+    kinds = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q4_K, "gate_proj": Q.Q4_K,
              "up_proj": Q.Q4_K, "down_proj": Q.Q6_K}
     path = write_gguf(src, tmp_path / "k.gguf", Q.Q8_0, qtype_of=kinds,
                       quantizer=lambda w, qt: _k_blocks(w, qt) if qt in kinds.values() else quantize(w, qt))
@@ -201,8 +204,11 @@ def test_a_k_quant_file_runs_its_blocks_fused_with_the_dequantized_bits(tmp_path
     layouts = {m.weight_layout for m in quant.model.modules() if isinstance(m, Linear) and m.kernel is not None}
     assert layouts == {"q4_k", "q6_k", "q8_0"}  # the tied head Q8_0
     assert quant.fused is not None
-    formats = quant.fused.weights[:, len(FIELDS) - 4:]
-    assert formats.tolist() == [[QUANT_FORMAT + KERNEL_CODES[q] for q in (Q.Q4_K, Q.Q6_K, Q.Q4_K, Q.Q6_K)]] * 2
+    table = dict(zip(FIELDS, quant.fused.weights.T.tolist()))  # field -> its value in each layer
+    code = {q: QUANT_FORMAT + KERNEL_CODES[q] for q in (Q.Q4_K, Q.Q6_K)}
+    assert table["qkv_weight"] == [0, 0] and all(a > 0 for f in ("q_weight", "k_weight", "v_weight") for a in table[f])
+    assert [table[f][0] for f in ("q_format", "k_format", "v_format", "o_format", "gate_up_format", "down_format")] \
+        == [code[Q.Q4_K], code[Q.Q4_K], code[Q.Q6_K], code[Q.Q4_K], code[Q.Q4_K], code[Q.Q6_K]]
     prompts = [[1, 17, 300, 45, 99, 7, 250], [5, 9], [400, 3, 77]]
     want = _logits(dense, prompts, 0)
     assert torch.equal(_logits(quant, prompts, 0), want)

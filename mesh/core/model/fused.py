@@ -21,8 +21,9 @@ from mesh.core.model.packed import PACK_TILE, PACKED_DTYPES, PACKED_FORMATS, pac
 from mesh.core.model.quant_linear import KERNEL_CODES, quant_linear
 
 FIELDS = ("input_norm", "post_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "gate_up_weight",
-          "down_weight", "qkv_format", "o_format", "gate_up_format",
-          "down_format")  # one row of the weights table, in csrc/fused_layer.c's order
+          "down_weight", "qkv_format", "o_format", "gate_up_format", "down_format", "q_weight", "k_weight",
+          "v_weight", "q_bias", "k_bias", "v_bias", "q_format", "k_format",
+          "v_format")  # one row of the weights table, in csrc/fused_layer.c's order (q, k, v: where not fused)
 QUANT_FORMAT = 3  # fused_layer.c: a linear's format from here on is QUANT_FORMAT + quant_linear.c's type code
 TIMED_PARTS = ("linears", "attention", "other")  # what `run(..., seconds=)` accumulates, in order
 
@@ -43,17 +44,43 @@ def weight_format(linear: Linear | None) -> int | None:
 
 
 def _linears(layer: DecoderLayer) -> tuple[Linear, ...]:
+    """The layer's linears as fused_layer.c runs them: q/k/v fused (or, where they could not share one weight, q,
+    k and v), o, gate/up fused, down."""
     attn, mlp = layer.self_attn, layer.mlp
-    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+    qkv = (attn.qkv_proj,) if attn.qkv_proj is not None else (attn.q_proj, attn.k_proj, attn.v_proj)
+    return (*qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
 
 
 def _fusable(layer: DecoderLayer) -> bool:
-    """The layer's every op has the native kernel fused_layer.c calls, each of its four linears a weight it runs."""
+    """The layer's every op has the native kernel fused_layer.c calls, each of its linears a weight it runs."""
     attn, mlp = layer.self_attn, layer.mlp
     return (layer.input_layernorm.kernel is native_rmsnorm and layer.post_attention_layernorm.kernel is native_rmsnorm
             and attn.rope_kernel is native_rope and mlp.act_kernel is native_silu_mul
             and all(weight_format(m) is not None for m in _linears(layer))
-            and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None)
+            and mlp.gate_up_proj is not None and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None)
+
+
+def _row(layer: DecoderLayer) -> list[int]:
+    """The layer's row of the weights table (FIELDS)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    fused_qkv = attn.qkv_proj
+    qkv = (fused_qkv,) if fused_qkv is not None else (None,)
+    apart = () if fused_qkv is not None else (attn.q_proj, attn.k_proj, attn.v_proj)
+    linears = (*qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return ([_address(t) for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                   _weight(qkv[0]), _bias(qkv[0]), attn.o_proj.weight, attn.o_proj.bias,
+                                   mlp.gate_up_proj.weight, mlp.down_proj.weight)]
+            + [weight_format(m) or 0 for m in linears]
+            + [_address(_weight(m)) for m in apart or (None,) * 3] + [_address(_bias(m)) for m in apart or (None,) * 3]
+            + [weight_format(m) or 0 for m in apart or (None,) * 3])
+
+
+def _weight(linear: Linear | None) -> torch.Tensor | None:
+    return None if linear is None else linear.weight
+
+
+def _bias(linear: Linear | None) -> torch.Tensor | None:
+    return None if linear is None else linear.bias
 
 
 def _address(t: torch.Tensor | None) -> int:
@@ -66,14 +93,8 @@ class FusedLayers:
     def __init__(self, model: LlamaRange) -> None:
         cfg = model.cfg
         self.model = model  # holds the weights the table points at
-        rows = []
-        for layer in model.model.layers.values():
-            attn, mlp = layer.self_attn, layer.mlp
-            rows.append([_address(t) for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                               attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-                                               attn.o_proj.bias, mlp.gate_up_proj.weight, mlp.down_proj.weight)]
-                        + [weight_format(m) for m in _linears(layer)])
-        self.weights = torch.tensor(rows, dtype=torch.int64)  # [L, len(FIELDS)] addresses, then formats
+        rows = [_row(layer) for layer in model.model.layers.values()]
+        self.weights = torch.tensor(rows, dtype=torch.int64)  # [L, len(FIELDS)] addresses and formats
         self.shape = (cfg.hidden_size, len(rows), cfg.rms_norm_eps, cfg.num_attention_heads,
                       cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
         self.lib = load_native()[0]
