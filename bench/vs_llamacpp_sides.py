@@ -71,8 +71,8 @@ def model_pair(model: str) -> tuple[Path, Path]:
     """(safetensors directory, GGUF of the same weights) for a --model choice; GGUF written once. float32 on both
     sides, or for bench-bf16 the bench preset stored in bfloat16 (wavemesh holds it in bfloat16 tiles) and a BF16
     GGUF; for smollm2-q4_1 the packaged GGUF twice (wavemesh loads it as it is)."""
-    if model in SHARED_FILE:
-        path = SHARED_FILE[model]()
+    if model in SHARED_FILE or model.endswith(".gguf"):
+        path = SHARED_FILE[model]() if model in SHARED_FILE else Path(model)
         return path, path
     qtype = GGUF_TYPES.get(model, GGMLQuantizationType.F32)
     if qtype == GGMLQuantizationType.BF16:
@@ -271,7 +271,8 @@ def measure(args) -> tuple[dict[str, list[float]], dict]:
                                                    "clients", "http_tokens", "http_prompt_tokens", "http_rounds",
                                                    "http_cycles")},
                 "parts": list(args.parts), "read_bytes": read_bytes, "model_dir": str(model_dir), "gguf": str(gguf),
-                "weights": WEIGHTS.get(args.model, "float32"),
+                "weights": WEIGHTS.get(args.model, "float32") if not args.model.endswith(".gguf") else
+                "the file on both sides: wavemesh keeps the blocks its kernel holds, float32 activations",
                 "machine": f"{mach['cpu']}, {mach['cores']} cores, torch {mach['torch']}",
                 "peer_source": (source.read_text().strip() if source.is_file() else str(bin_dir))
                 + (" with --repack 0" if args.peer_no_repack else ""),
