@@ -25,37 +25,11 @@ from station.step import Station
 
 pytestmark = pytest.mark.skipif(resolve_linear_backend("auto", torch.device("cpu"), torch.float32) != "packed",
                                 reason="the packed native kernels do not build on this machine")
-KINDS = (Q.Q8_0, Q.Q4_0, Q.Q4_1)
+KINDS = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
+K_KINDS = (Q.Q4_K, Q.Q6_K)  # super-blocks of 256 weights
 CFG = ModelConfig(arch="llama", vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=4,
                   num_attention_heads=6, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
                   rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)
-
-
-def _blocks(n: int, k: int, qtype: Q, seed: int) -> tuple[np.ndarray, torch.Tensor]:
-    """Random weights [n, k] quantized to qtype: (the blocks, their float32 dequantized by the gguf package)."""
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    w[0, :32] = 0.0  # a block of zeros (scale 0) too
-    raw = quantize(w, qtype)
-    return raw, torch.from_numpy(np.array(dequantize(raw, qtype), dtype=np.float32))
-
-
-@pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
-def test_kernel_gives_the_packed_float32_bits_at_every_row_and_thread_count(qtype):
-    for n, k in ((5, 32), (131, 96), (70, 160)):  # odd N (partial tiles), K of an odd number of blocks
-        raw, dense = _blocks(n, k, qtype, seed=n)
-        qw, bias = repack([QuantRows("w", qtype, raw, k)]), pad_bias(torch.randn(n))
-        x = torch.randn(17, k) * 3
-        for t in range(1, 18):
-            ref = packed_linear(x[:t], pack_rows([dense]), bias, n)
-            assert torch.equal(quant_linear(x[:t], qw, bias, n, qtype), ref), (n, k, t)
-            assert torch.equal(quant_linear(x[:t], qw, None, n, qtype), packed_linear(x[:t], pack_rows([dense]), None, n))
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            one_thread = quant_linear(x, qw, bias, n, qtype)
-        finally:
-            torch.set_num_threads(threads)
-        assert torch.equal(one_thread, quant_linear(x, qw, bias, n, qtype))
 
 
 def _k_blocks(w: np.ndarray, qtype: Q, seed: int = 0) -> np.ndarray:
@@ -72,39 +46,45 @@ def _k_blocks(w: np.ndarray, qtype: Q, seed: int = 0) -> np.ndarray:
     return b.reshape(n, -1)
 
 
-@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K), ids=lambda q: q.name)
-def test_k_quants_give_the_packed_float32_bits_at_every_row_and_thread_count(qtype):
-    """Q4_K / Q6_K blocks, held as groups of 32 with float32 scales: the bits of their gguf-dequantized float32 in
-    packed tiles, at 1-17 rows, with and without a bias, in parts side by side in their row order, at one thread."""
-    for n, k in ((5, 256), (131, 512), (70, 768)):
-        raw = _k_blocks(np.zeros((n, k)), qtype, seed=k)
-        dense = torch.from_numpy(np.array(dequantize(raw, qtype), dtype=np.float32))
+def _blocks(n: int, k: int, qtype: Q, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """Random weights [n, k] quantized to qtype (K-quants: random blocks, _k_blocks): (the blocks, their float32
+    dequantized by the gguf package)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    w[0, :32] = 0.0  # a block of zeros (scale 0) too
+    raw = _k_blocks(w, qtype, seed) if qtype in K_KINDS else quantize(w, qtype)
+    return raw, torch.from_numpy(np.array(dequantize(raw, qtype), dtype=np.float32))
+
+
+@pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
+def test_kernel_gives_the_packed_float32_bits_at_every_row_and_thread_count(qtype):
+    """The bits of the gguf-dequantized float32 in packed tiles at 1-17 rows, with and without a bias, at one thread
+    as at several (K-quants held as groups of 32 with float32 scales)."""
+    shapes = ((5, 256), (131, 512), (70, 768)) if qtype in K_KINDS else ((5, 32), (131, 96), (70, 160))
+    for n, k in shapes:  # odd N (partial tiles), K of an odd number of blocks
+        raw, dense = _blocks(n, k, qtype, seed=n)
         qw, bias = repack([QuantRows("w", qtype, raw, k)]), pad_bias(torch.randn(n))
         x = torch.randn(17, k) * 3
         for t in range(1, 18):
-            assert torch.equal(quant_linear(x[:t], qw, bias, n, qtype), packed_linear(x[:t], pack_rows([dense]), bias, n))
+            ref = packed_linear(x[:t], pack_rows([dense]), bias, n)
+            assert torch.equal(quant_linear(x[:t], qw, bias, n, qtype), ref), (n, k, t)
+            assert torch.equal(quant_linear(x[:t], qw, None, n, qtype), packed_linear(x[:t], pack_rows([dense]), None, n))
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
-            one_thread = quant_linear(x, qw, None, n, qtype)
+            one_thread = quant_linear(x, qw, bias, n, qtype)
         finally:
             torch.set_num_threads(threads)
-        assert torch.equal(one_thread, packed_linear(x, pack_rows([dense]), None, n))
-    raw = _k_blocks(np.zeros((37, 256)), qtype, seed=1)
-    order = np.random.default_rng(2).permutation(37)
-    parts = [QuantRows("a", qtype, raw, 256), QuantRows("b", qtype, raw, 256, order)]
-    dense = torch.from_numpy(np.array(dequantize(raw, qtype), dtype=np.float32))
-    x = torch.randn(3, 256)
-    assert torch.equal(quant_linear(x, repack(parts), None, 74, qtype),
-                       packed_linear(x, pack_rows([dense, dense[torch.from_numpy(order)]]), None, 74))
+        assert torch.equal(one_thread, quant_linear(x, qw, bias, n, qtype))
 
 
-def test_parts_repack_side_by_side_in_their_row_order():
-    (a, da), (b, db) = _blocks(70, 64, Q.Q4_1, 1), _blocks(37, 64, Q.Q4_1, 2)
+@pytest.mark.parametrize("qtype", (Q.Q4_1, *K_KINDS), ids=lambda q: q.name)
+def test_parts_repack_side_by_side_in_their_row_order(qtype):
+    k = 256 if qtype in K_KINDS else 64
+    (a, da), (b, db) = _blocks(70, k, qtype, 1), _blocks(37, k, qtype, 2)
     order = np.random.default_rng(3).permutation(70).astype(np.int64)
-    fused = repack([QuantRows("a", Q.Q4_1, a, 64, order), QuantRows("b", Q.Q4_1, b, 64)])
-    x = torch.randn(9, 64)
-    assert torch.equal(quant_linear(x, fused, None, 107, Q.Q4_1),
+    fused = repack([QuantRows("a", qtype, a, k, order), QuantRows("b", qtype, b, k)])
+    x = torch.randn(9, k)
+    assert torch.equal(quant_linear(x, fused, None, 107, qtype),
                        packed_linear(x, pack_rows([torch.cat([da[torch.from_numpy(order)], db])]), None, 107))
 
 
