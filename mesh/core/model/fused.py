@@ -63,16 +63,14 @@ def _fusable(layer: DecoderLayer) -> bool:
 def _row(layer: DecoderLayer) -> list[int]:
     """The layer's row of the weights table (FIELDS)."""
     attn, mlp = layer.self_attn, layer.mlp
-    fused_qkv = attn.qkv_proj
-    qkv = (fused_qkv,) if fused_qkv is not None else (None,)
-    apart = () if fused_qkv is not None else (attn.q_proj, attn.k_proj, attn.v_proj)
-    linears = (*qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    return ([_address(t) for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                   _weight(qkv[0]), _bias(qkv[0]), attn.o_proj.weight, attn.o_proj.bias,
-                                   mlp.gate_up_proj.weight, mlp.down_proj.weight)]
-            + [weight_format(m) or 0 for m in linears]
-            + [_address(_weight(m)) for m in apart or (None,) * 3] + [_address(_bias(m)) for m in apart or (None,) * 3]
-            + [weight_format(m) or 0 for m in apart or (None,) * 3])
+    qkv = attn.qkv_proj  # None where q, k and v run apart
+    apart = (None,) * 3 if qkv is not None else (attn.q_proj, attn.k_proj, attn.v_proj)
+    return ([_address(t) for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _weight(qkv),
+                                   _bias(qkv), attn.o_proj.weight, attn.o_proj.bias, mlp.gate_up_proj.weight,
+                                   mlp.down_proj.weight)]
+            + [weight_format(m) or 0 for m in (qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            + [_address(_weight(m)) for m in apart] + [_address(_bias(m)) for m in apart]
+            + [weight_format(m) or 0 for m in apart])
 
 
 def _weight(linear: Linear | None) -> torch.Tensor | None:

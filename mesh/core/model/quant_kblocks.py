@@ -1,4 +1,4 @@
-"""GGUF's Q4_K and Q6_K weights laid out for csrc/quant_linear.c as groups of 32 with float32 scales (no torch).
+"""GGUF's K-quants and 5-bit blocks laid out for csrc/quant_linear.c (no torch).
 
 A K-quant super-block holds 256 weights: Q4_K eight sub-blocks of 32, each a 6-bit scale and minimum under the
 block's float16 d and dmin, 4-bit quants; Q6_K sixteen sub-blocks of 16, each an int8 scale under the block's d,
@@ -10,7 +10,9 @@ where d * sc and dmin * m are exact (an 11-bit float16 significand times a 6- or
 (d * sc) * q for Q4_K's 4-bit q: one rounding each. Here each group of 32 k gets those exact products as float32
 (csrc/quant_blocks.h's Q4_KF: the scale and the negated minimum, w = q * D + M in one fused multiply-add; Q6_KF: the
 scales of its two sub-blocks, w = (q - 32) * D), so the kernel computes the package's float32 of every weight and
-the station keeps the bits of one holding the dequantized weights. The layout is quant_blocks.h's: tiles of 64
+the station keeps the bits of one holding the dequantized weights. Q5_K is Q4_K with a fifth bit (its q * D is
+exact too) and Q5_1 is d * q + m with a 5-bit q: both become Q5_KF, unsigned bytes with a float32 scale and
+minimum. Q5_0, (q - 16) * d, is exactly a Q8_0 block of the bytes q - 16 (`q5_0_as_q8_0`). The layout is quant_blocks.h's: tiles of 64
 output rows, each group the 64 rows' float32 scales, minimums or second scales, then the quants transposed
 [byte row][64 rows] (Q4_KF as Q4_1 keeps them: byte b holds k = b low and k = b + 16 high; Q6_KF signed bytes).
 """
@@ -20,9 +22,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 SUPER = 256  # weights per K-quant super-block
-SUPER_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210}
+SUPER_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210, Q.Q5_K: 176}
 GROUP, TILE = 32, 64
-QUANT_ROWS = {Q.Q4_K: 16, Q.Q6_K: 32}  # byte rows a group's quants take in the layout
+QUANT_ROWS = {Q.Q4_K: 16, Q.Q6_K: 32, Q.Q5_K: 32, Q.Q5_1: 32}  # byte rows a group's quants take in the layout
+Q5_1_BYTES, Q5_0_BYTES, Q8_0_BYTES = 24, 22, 34  # one 32-weight block
 
 
 def _half(b: np.ndarray) -> np.ndarray:
@@ -34,16 +37,58 @@ def _q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows of Q4_K super-blocks -> (scales D, minimums M [rows, groups] float32, quant bytes [rows, groups, 16])."""
     rows = raw.shape[0]
     b = raw.reshape(rows, -1, SUPER_BYTES[Q.Q4_K])
-    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])  # [rows, supers]
-    s = b[..., 4:16].reshape(rows, -1, 3, 4)  # the 12 bytes of 6-bit scales and minimums
-    sc = np.concatenate([s[..., 0, :] & 0x3F, (s[..., 2, :] & 0x0F) | ((s[..., 0, :] >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([s[..., 1, :] & 0x3F, (s[..., 2, :] >> 4) | ((s[..., 1, :] >> 2) & 0x30)], axis=-1)
-    scale = d[..., None] * sc.astype(np.float32)  # [rows, supers, 8] exact
-    minimum = -(dmin[..., None] * mn.astype(np.float32))  # negated: w = q * D + M
+    scale, minimum = _scale_min(b)  # [rows, supers, 8] exact; the minimum negated: w = q * D + M
     qs = b[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
     q = (qs & 0x0F).reshape(rows, -1, GROUP)  # [rows, groups, 32] in k order: sub-block 2c low, 2c + 1 high
     quants = q[..., :16] | (q[..., 16:] << 4)  # as Q4_1 holds a group: byte b = k b low, k b + 16 high
     return scale.reshape(rows, -1), minimum.reshape(rows, -1), quants
+
+
+def _scale_min(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K super-blocks [rows, supers, bytes] -> their sub-blocks' exact scales d * sc and negated minimums
+    -(dmin * m), float32 [rows, supers, 8]."""
+    rows = b.shape[0]
+    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])  # [rows, supers]
+    s = b[..., 4:16].reshape(rows, -1, 3, 4)  # the 12 bytes of 6-bit scales and minimums
+    sc = np.concatenate([s[..., 0, :] & 0x3F, (s[..., 2, :] & 0x0F) | ((s[..., 0, :] >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([s[..., 1, :] & 0x3F, (s[..., 2, :] >> 4) | ((s[..., 1, :] >> 2) & 0x30)], axis=-1)
+    return d[..., None] * sc.astype(np.float32), -(dmin[..., None] * mn.astype(np.float32))
+
+
+def _q5_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of Q5_K super-blocks -> (scales D, minimums M [rows, groups] float32, quant bytes 0..31
+    [rows, groups, 32])."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, SUPER_BYTES[Q.Q5_K])
+    scale, minimum = _scale_min(b)
+    low = (b[..., 48:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+    high = (b[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 0x01
+    q = low.reshape(rows, -1, GROUP) | (high.reshape(rows, -1, GROUP) << 4)
+    return scale.reshape(rows, -1), minimum.reshape(rows, -1), q
+
+
+def _fifth_bits(b: np.ndarray, at: int) -> np.ndarray:
+    """A Q5_0 / Q5_1 block's [rows, blocks, bytes] 5-bit quants (the nibbles from byte `at` + 4, the fifth bits from
+    the 32-bit word at `at`), uint8 [rows, blocks, 32] in k order."""
+    high = np.ascontiguousarray(b[..., at:at + 4]).view("<u4") >> np.arange(32, dtype=np.uint32)
+    nibbles = b[..., at + 4:at + 20]
+    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+    return low | ((high & 1).astype(np.uint8) << 4)
+
+
+def _q5_1(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of Q5_1 blocks -> (scales, minimums [rows, groups] float32 from their float16, quant bytes 0..31)."""
+    b = raw.reshape(raw.shape[0], -1, Q5_1_BYTES)
+    return _half(b[..., 0:2]), _half(b[..., 2:4]), _fifth_bits(b, 4)
+
+
+def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Rows of Q5_0 blocks as rows of Q8_0 blocks of the same weights: the float16 d, then the bytes q - 16."""
+    b = raw.reshape(raw.shape[0], -1, Q5_0_BYTES)
+    out = np.empty((*b.shape[:2], Q8_0_BYTES), np.uint8)
+    out[..., 0:2] = b[..., 0:2]
+    out[..., 2:] = (_fifth_bits(b, 2).astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    return out.reshape(raw.shape[0], -1)
 
 
 def _q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -68,7 +113,7 @@ def groups_bytes(qtype: Q) -> int:
 def repack_k(parts: list[tuple[np.ndarray, np.ndarray | None]], qtype: Q, out: np.ndarray) -> None:
     """The parts' rows (raw super-blocks [rows, bytes], HF row order or None) one after another into `out` (uint8,
     tiles x groups x groups_bytes(qtype), zero rows past the last)."""
-    convert = _q4_k if qtype == Q.Q4_K else _q6_k
+    convert = {Q.Q4_K: _q4_k, Q.Q6_K: _q6_k, Q.Q5_K: _q5_k, Q.Q5_1: _q5_1}[qtype]
     pieces = [convert(raw if order is None else raw[order]) for raw, order in parts]
     first, second, quants = (np.concatenate([p[i] for p in pieces]) for i in range(3))
     n, groups = first.shape

@@ -15,18 +15,27 @@
 #define QTILE_N 64 /* output rows per tile (register_tile.h's TILE_N) */
 #define GROUP 32   /* weights per GGUF block */
 
-/* GGUF's K-quants are held as two more kinds of 32-weight group, laid out in Python at load
+/* GGUF's K-quants (and Q5_1) are held as three more kinds of 32-weight group, laid out in Python at load
  * (mesh/core/model/quant_kblocks.py), their scales exact products widened to float32:
  *   Q4_KF: a Q4_K sub-block of 32 as a Q4_1 group: the scale d * sc and the negated minimum -(dmin * m), float32,
  *          then the nibbles as Q4_1 keeps them (byte b: k = b low, k = b + 16 high); w = q * D + M, rounded once
  *          (q * D is exact), the gguf package's d * q - dm;
  *   Q6_KF: a Q6_K group of 32 as a Q8_0 group of signed bytes q - 32, with the scales d * sc of its two sub-blocks
- *          of 16 (k < 16, then k >= 16), float32; w = q * D, rounded once, as the package's. */
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_KF = 3, Q6_KF = 4 };
+ *          of 16 (k < 16, then k >= 16), float32; w = q * D, rounded once, as the package's;
+ *   Q5_KF: a Q5_K sub-block of 32 (or a Q5_1 block) as unsigned bytes q (0..31) with the scale D and the negated
+ *          minimum M (Q5_1: its float16 d and m), float32; w = q * D + M in one fused multiply-add (q * D exact).
+ * (A Q5_0 block is a Q8_0 one: its weights (q - 16) * d are a Q8_0 block's with the bytes q - 16.) */
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_KF = 3, Q6_KF = 4, Q5_KF = 5 };
 
-static inline __attribute__((always_inline)) int byte_quants(int qtype) { return qtype == Q8_0 || qtype == Q6_KF; }
-static inline __attribute__((always_inline)) int with_minimum(int qtype) { return qtype == Q4_1 || qtype == Q4_KF; }
-static inline __attribute__((always_inline)) int float_scales(int qtype) { return qtype == Q4_KF || qtype == Q6_KF; }
+static inline __attribute__((always_inline)) int byte_quants(int qtype) {
+    return qtype == Q8_0 || qtype == Q6_KF || qtype == Q5_KF;
+}
+static inline __attribute__((always_inline)) int with_minimum(int qtype) {
+    return qtype == Q4_1 || qtype == Q4_KF || qtype == Q5_KF;
+}
+static inline __attribute__((always_inline)) int float_scales(int qtype) {
+    return qtype == Q4_KF || qtype == Q6_KF || qtype == Q5_KF;
+}
 
 /* Bytes of one group of a 64-row tile in the repacked layout. */
 static inline int64_t quant_group_bytes(int qtype) {
@@ -34,7 +43,8 @@ static inline int64_t quant_group_bytes(int qtype) {
         case Q8_0: return QTILE_N * 2 + GROUP * QTILE_N;      /* scales, 32 bytes a row */
         case Q4_0: return QTILE_N * 2 + GROUP / 2 * QTILE_N;  /* scales, 16 bytes a row */
         case Q4_KF: return QTILE_N * 8 + GROUP / 2 * QTILE_N; /* float32 scales and minimums, 16 bytes a row */
-        case Q6_KF: return QTILE_N * 8 + GROUP * QTILE_N;     /* two float32 scales, 32 bytes a row */
+        case Q6_KF:                                           /* two float32 scales, 32 bytes a row */
+        case Q5_KF: return QTILE_N * 8 + GROUP * QTILE_N;     /* float32 scales and minimums, 32 bytes a row */
         default: return QTILE_N * 4 + GROUP / 2 * QTILE_N;    /* Q4_1: scales and minimums, 16 bytes a row */
     }
 }

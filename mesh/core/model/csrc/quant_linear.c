@@ -103,6 +103,7 @@ QINLINE void group_scales(const uint8_t *grp, const int qtype, float *d, float *
  * k mod 16, its high nibbles when `high`), their scales d and minimums m (float32): the float32 the gguf package
  * gives each. */
 QINLINE vec dequantize_at(const uint8_t *q, const int qtype, const int high, vec d, vec m) {
+    if (qtype == Q5_KF) return vfma(tofloat(load_u8(q)), d, m);  /* q * D exact, as Q4_1's */
     if (byte_quants(qtype)) return vmul(tofloat(load_i8(q)), d);
     qivec v = high ? ihigh(load_u8(q)) : ilow(load_u8(q));
     if (qtype == Q4_0) return vmul(tofloat(iminus8(v)), d);
@@ -136,6 +137,7 @@ static void decode_block(const uint8_t *tile, int64_t gbytes, int qtype, int64_t
         case Q4_0: decode_block_of(tile, gbytes, Q4_0, k0, kb, wb); break;
         case Q4_KF: decode_block_of(tile, gbytes, Q4_KF, k0, kb, wb); break;
         case Q6_KF: decode_block_of(tile, gbytes, Q6_KF, k0, kb, wb); break;
+        case Q5_KF: decode_block_of(tile, gbytes, Q5_KF, k0, kb, wb); break;
         default: decode_block_of(tile, gbytes, Q4_1, k0, kb, wb); break;
     }
 }
@@ -179,7 +181,7 @@ QINLINE void few_rows_of(const float *x, int64_t ldx, const int tb, const int cv
             vec a[FEW_ROWS][VECS];
             for (int i = 0; i < tb; i++)
                 for (int j = 0; j < cv; j++) a[i][j] = vload(acc + i * QTILE_N + c0 + j * LANES);
-            if (qtype == Q8_0) {
+            if (qtype == Q8_0 || qtype == Q5_KF) {
                 few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, 0, GROUP, 0, d + c0, m + c0, c0 == 0, a);
             } else if (qtype == Q6_KF) {  /* k = 0..15 at the first sub-block's scales, k = 16..31 at the second's */
                 few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, 0, GROUP / 2, 0, d + c0, d + c0, c0 == 0, a);
@@ -294,6 +296,7 @@ static void few_rows(const float *x, int64_t ldx, int64_t T, const uint8_t *tile
     switch (qtype) {  /* one specialized loop per type and row count */
         case Q8_0: FEW_ROWS_OF_TYPE(Q8_0); break;
         case Q6_KF: FEW_ROWS_OF_TYPE(Q6_KF); break;
+        case Q5_KF: FEW_ROWS_OF_TYPE(Q5_KF); break;
 #if defined(__AVX512F__)
         case Q4_0: FEW_NIBBLES_OF_TYPE(Q4_0); break;
         case Q4_KF: FEW_NIBBLES_OF_TYPE(Q4_KF); break;
