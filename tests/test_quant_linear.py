@@ -232,12 +232,21 @@ def test_parts_of_mixed_kinds_run_unfused_with_the_same_bits(quant_files):
         assert torch.equal(getattr(attn, name)(x), w), name
 
 
-def test_qwen2_biases_and_q4_0_keep_the_dequantized_bits(model_dirs, tmp_path):
-    path = write_gguf(model_dirs["qwen2"], tmp_path / "qwen2-q4_0.gguf", Q.Q4_0)  # q/k/v biases, tied head
+@pytest.mark.parametrize("v_type", (Q.Q4_0, Q.Q8_0), ids=("qkv-fused", "v-apart"))
+def test_qwen2_biases_and_q4_0_keep_the_dequantized_bits(model_dirs, tmp_path, v_type):
+    """q/k/v biases with the blocks, fused into one weight, or (v in another type) as three linears in the fused
+    call, each with its own bias."""
+    path = write_gguf(model_dirs["qwen2"], tmp_path / "qwen2-q4_0.gguf", Q.Q4_0,  # q/k/v biases, tied head
+                      qtype_of={"v_proj": v_type})
     hf_dir = convert_gguf(path, tmp_path / "hf", progress=False)
     layers = ModelConfig.from_dir(path).num_hidden_layers
     quant, dense = (Station(p, StationSpec(layers=(0, layers))) for p in (path, hf_dir))
     kept = [m for m in quant.model.modules() if isinstance(m, Linear) and m.kernel is not None]
-    assert {m.weight_layout for m in kept} == {"q4_0"} and any(m.bias is not None for m in kept)
+    assert {m.weight_layout for m in kept} == {"q4_0", v_type.name.lower()} and any(m.bias is not None for m in kept)
+    table = dict(zip(FIELDS, quant.fused.weights.T.tolist()))
+    assert all(b > 0 for b in table["v_bias" if v_type != Q.Q4_0 else "qkv_bias"])
     prompts = [[1, 5, 9, 33, 2], [7, 8]]
-    assert torch.equal(_logits(quant, prompts, 0), _logits(dense, prompts, 0))
+    want = _logits(dense, prompts, 0)
+    assert torch.equal(_logits(quant, prompts, 0), want)
+    quant.fused = None
+    assert torch.equal(_logits(quant, prompts, 10), want)
