@@ -1,6 +1,7 @@
 """A station's decode waves with two builds of its native kernels, alternated in one process (MEASUREMENT ONLY).
 
-    python bench/kernel_ab.py [--model smollm2|bench|DIR|FILE.gguf] [--base HEAD] [--batches 1,4,16] [--rounds 20] [--quick]
+    python bench/kernel_ab.py [--model smollm2|bench|DIR|FILE.gguf] [--base HEAD] [--batches 1,4,16] [--rounds 20]
+                              [--quick]
     mesh bench kernel_ab ...  (same arguments)
 
 Builds csrc/ twice, as committed at --base and as in the working tree (bench/linear_stream.py's `build`), loads one
@@ -23,8 +24,6 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # run as a script or loaded from its file
@@ -63,7 +62,8 @@ def decode_round(station: Station, batch: int) -> tuple[float, list[int]]:
 def main(argv: list[str] | None = None) -> dict:
     """Run the A/B and print its table and JSON; returns the JSON object."""
     p = argparse.ArgumentParser(prog="mesh bench kernel_ab", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2", help="smollm2, bench (built-in presets), a checkpoint directory or a .gguf file")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2, bench (built-in presets), a checkpoint directory or a .gguf file")
     p.add_argument("--base", default="HEAD", help="git revision whose kernels are the baseline")
     p.add_argument("--batches", default="1,4,16", help="sequences per wave, comma-separated")
     p.add_argument("--rounds", type=int, default=20, help="pairs of rounds per batch (median taken)")

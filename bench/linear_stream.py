@@ -54,9 +54,9 @@ def build(src: Path, out: Path) -> ctypes.CDLL:
     fields = torch.zeros(1, dtype=torch.int64)
     lib.fused_table_fields(fields.data_ptr())
     if fields.item() != len(FIELDS):  # a station switched onto it would hand it rows it reads otherwise
-        raise SystemExit(f"the kernels in {src} read fused-layer table rows of {fields.item()} fields, this tree writes "
-                         f"{len(FIELDS)} (session 49 added q, k and v apart): compare against a revision whose table "
-                         "is this one's")
+        raise SystemExit(f"the kernels in {src} read fused-layer table rows of {fields.item()} fields, this tree "
+                         f"writes {len(FIELDS)} (session 49 added q, k and v apart): compare against a revision "
+                         "whose table is this one's")
     return lib
 
 

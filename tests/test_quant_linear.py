@@ -169,8 +169,9 @@ def test_a_layer_of_blocks_and_float_tiles_runs_fused_with_the_dequantized_bits(
 
 def test_a_k_quant_file_runs_its_blocks_fused_with_the_dequantized_bits(tmp_path):
     """A file of Q4_K, Q5_K and Q6_K matrices (as Q4_K_M / Q5_K_M files mix them: v in Q6_K beside q and k in Q4_K,
-    so the three cannot share one weight) beside a Q8_0 embedding: the station keeps every matrix as blocks, runs each layer in
-    one native call (q, k and v as three linears there), and gives the bits of the dequantized checkpoint."""
+    so the three cannot share one weight) beside a Q8_0 embedding: the station keeps every matrix as blocks, runs
+    each layer in one native call (q, k and v as three linears there), and gives the bits of the dequantized
+    checkpoint."""
     cfg = ModelConfig(arch="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
                       rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)

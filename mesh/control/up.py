@@ -215,8 +215,9 @@ def serve(config: MeshConfig, model_dir: Path) -> int:
                                                timeout_graceful_shutdown=config.cluster.shutdown_timeout_s),
                                 cluster.engine, config.cluster.shutdown_timeout_s)
         freeze_long_lived()  # the start-up's objects out of every full collection while serving
-        print(f"wavemesh serving {served_model_name(config, model_dir)} on http://{host_port(config.api.host, config.api.port)} "
-              f"with {len(cluster.specs)} station(s)", file=sys.stderr, flush=True)
+        print(f"wavemesh serving {served_model_name(config, model_dir)} on "
+              f"http://{host_port(config.api.host, config.api.port)} with {len(cluster.specs)} station(s)",
+              file=sys.stderr, flush=True)
         server.run()  # returns after SIGINT/SIGTERM and the drain (a failed start raises SystemExit(1))
     finally:
         cluster.stop()

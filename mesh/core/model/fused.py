@@ -1,11 +1,11 @@
 """A range's decoder layers in one native call (csrc/fused_layer.c), set up from outside the model.
 
 On the packed path (mesh.core.model.kernels; float32, bfloat16 or float16 tiles, or GGUF blocks kept quantized)
-each layer otherwise costs some twenty Python calls and small torch ops around its C kernels. `fuse_layers` collects every layer's packed weights
-once into a table of addresses; `FusedLayers.run` then hands a whole wave to C, which loops over the layers calling
-the same kernels on the same inputs in the same order, so a row's bits are the per-op path's. A model whose layers
-are not all on the packed kernels (another backend, or a weight in another format) gets None, and keeps the per-op
-path.
+each layer otherwise costs some twenty Python calls and small torch ops around its C kernels. `fuse_layers`
+collects every layer's weights once into a table of addresses and formats; `FusedLayers.run` then hands a whole
+wave to C, which loops over the layers calling the same kernels on the same inputs in the same order, so a row's
+bits are the per-op path's. A model whose layers are not all on these kernels (another backend, or a weight in
+another format) gets None, and keeps the per-op path.
 """
 from __future__ import annotations
 

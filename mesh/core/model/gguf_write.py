@@ -79,18 +79,17 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, qtype: GGMLQuantizat
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_vocab_size(cfg.vocab_size)
     _add_tokenizer(writer, model_dir)
-    default_qtype = qtype
     for name in sorted(state):
         w = state[name].astype(np.float32)
-        qtype = next((t for module, t in (qtype_of or {}).items() if f".{module}." in name), default_qtype)
+        kind = next((t for module, t in (qtype_of or {}).items() if f".{module}." in name), qtype)
         if cfg.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             w = permute_rows(w, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
-        if w.ndim == 1 or qtype == GGMLQuantizationType.F32:
+        if w.ndim == 1 or kind == GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name(name), w)
-        elif qtype in FLOAT_TYPES:
-            writer.add_tensor(gguf_name(name), w.astype(FLOAT_TYPES[qtype]))
+        elif kind in FLOAT_TYPES:
+            writer.add_tensor(gguf_name(name), w.astype(FLOAT_TYPES[kind]))
         else:
-            writer.add_tensor(gguf_name(name), quantizer(w, qtype), raw_dtype=qtype)
+            writer.add_tensor(gguf_name(name), quantizer(w, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

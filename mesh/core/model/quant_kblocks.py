@@ -12,9 +12,10 @@ where d * sc and dmin * m are exact (an 11-bit float16 significand times a 6- or
 scales of its two sub-blocks, w = (q - 32) * D), so the kernel computes the package's float32 of every weight and
 the station keeps the bits of one holding the dequantized weights. Q5_K is Q4_K with a fifth bit (its q * D is
 exact too) and Q5_1 is d * q + m with a 5-bit q: both become Q5_KF, unsigned bytes with a float32 scale and
-minimum. Q5_0, (q - 16) * d, is exactly a Q8_0 block of the bytes q - 16 (`q5_0_as_q8_0`). The layout is quant_blocks.h's: tiles of 64
-output rows, each group the 64 rows' float32 scales, minimums or second scales, then the quants transposed
-[byte row][64 rows] (Q4_KF as Q4_1 keeps them: byte b holds k = b low and k = b + 16 high; Q6_KF signed bytes).
+minimum. Q5_0, (q - 16) * d, is exactly a Q8_0 block of the bytes q - 16 (`q5_0_as_q8_0`). The layout is
+quant_blocks.h's: tiles of 64 output rows, each group the 64 rows' float32 scales, minimums or second scales, then
+the quants transposed [byte row][64 rows] (Q4_KF as Q4_1 keeps them: byte b holds k = b low and k = b + 16 high;
+Q6_KF signed bytes, Q5_KF unsigned ones).
 """
 from __future__ import annotations
 
@@ -118,8 +119,7 @@ def repack_k(parts: list[tuple[np.ndarray, np.ndarray | None]], qtype: Q, out: n
     first, second, quants = (np.concatenate([p[i] for p in pieces]) for i in range(3))
     n, groups = first.shape
     tiles = -(-n // TILE)
-    layout = out.reshape(tiles, groups, groups_bytes(qtype))
-    layout[:] = 0
+    layout = out.reshape(tiles, groups, groups_bytes(qtype))  # every byte written below (padded rows zero)
     for at, values in ((0, first), (TILE * 4, second)):
         padded = np.zeros((tiles * TILE, groups), np.float32)
         padded[:n] = values

@@ -1,11 +1,11 @@
 """Linear weights kept in GGUF's quantized blocks on the station's packed float32 CPU path.
 
 A station loading a GGUF with the packed backend keeps its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K linear
-weights as they are in the file: `QuantRows` names a weight's rows of blocks (memory-mapped, nothing read), `repack` lays them out
-once for csrc/quant_linear.c (a byte transpose into tiles of 64 output rows, the float16 scales gathered beside them;
-the K-quants and Q5_1 as groups of 32 with their exact float32 scales, mesh.core.model.quant_kblocks; Q5_0 as the
-Q8_0 blocks of the same weights), and `quant_linear`
-computes x W^T from that layout, dequantizing in registers. Each weight dequantizes to exactly
+weights as they are in the file: `QuantRows` names a weight's rows of blocks (memory-mapped, nothing read), `repack`
+lays them out once for csrc/quant_linear.c (a byte transpose into tiles of 64 output rows, the float16 scales
+gathered beside them; the K-quants and Q5_1 as groups of 32 with their exact float32 scales,
+mesh.core.model.quant_kblocks; Q5_0 as the Q8_0 blocks of the same weights), and `quant_linear` computes x W^T from
+that layout, dequantizing in registers. Each weight dequantizes to exactly
 the float32 the `gguf` package (and mesh.core.model.gguf_dequant) gives it, and each output is the fused
 multiply-add chain of the packed float32 kernel, so the station's bits are those of a station holding the
 dequantized weights in packed tiles: the same tokens as transformers loading the GGUF, at every batch and thread

@@ -1,4 +1,5 @@
-/* Float32 linear over weights kept in GGUF's 32-weight blocks (Q8_0, Q4_0, Q4_1): out[t, n] = sum_k x[t, k] * w[n, k]
+/* Float32 linear over weights kept in GGUF's blocks (Q8_0, Q4_0, Q4_1, and the kinds quant_blocks.h makes of Q5_0,
+ * Q5_1 and the K-quants, groups of 32 all): out[t, n] = sum_k x[t, k] * w[n, k]
  * (+ bias[n]), each w[n, k] dequantized in registers to exactly the float32 the `gguf` package gives it:
  *   Q8_0: q * d          Q4_0: (q - 8) * d          Q4_1: q * d, rounded, then + m, rounded
  * with d and m the block's float16 scale and minimum. q * d is exact in float32 (an 11-bit float16 significand
@@ -148,7 +149,8 @@ static void rows_over_block(const float *x, int64_t ldx, int64_t T, const float 
 
 /* k = k0 .. k0 + n - 1 of one group for few_rows_of: tb rows of x (xg, the group's first k) into the sums a, cv
  * vectors of columns (q: byte row 0 of those columns; Q4_0 / Q4_1 read byte row k - k0 and its `high` nibbles,
- * Q8_0 byte row k); with `ask` (the pass over a tile's first columns) each k's line FEW_ROWS_AHEAD_BYTES on. Pointer steps and constant nibble choice keep the loop free of index arithmetic and branches. */
+ * the byte kinds byte row k); with `ask` (the pass over a tile's first columns) each k's line FEW_ROWS_AHEAD_BYTES
+ * on. Pointer steps and constant nibble choice keep the loop free of index arithmetic and branches. */
 QINLINE void few_rows_k(const float *xg, int64_t ldx, const int tb, const int cv, const uint8_t *q, const int qtype,
                         const int k0, const int n, const int high, const float *d, const float *m, const int ask,
                         vec a[FEW_ROWS][VECS]) {
