@@ -12,7 +12,9 @@ where d * sc and dmin * m are exact (an 11-bit float16 significand times a 6- or
 scales of its two sub-blocks, w = (q - 32) * D), so the kernel computes the package's float32 of every weight and
 the station keeps the bits of one holding the dequantized weights. Q5_K is Q4_K with a fifth bit (its q * D is
 exact too) and Q5_1 is d * q + m with a 5-bit q: both become Q5_KF, unsigned bytes with a float32 scale and
-minimum. Q5_0, (q - 16) * d, is exactly a Q8_0 block of the bytes q - 16 (`q5_0_as_q8_0`). The layout is
+minimum. Q3_K, sixteen sub-blocks of 16 with 6-bit scales and 3-bit quants, w = (d * (sc - 32)) * q with q in -4..3
+(both products exact), is a Q6_KF group of signed bytes q under its two sub-blocks' scales. Q5_0, (q - 16) * d, is
+exactly a Q8_0 block of the bytes q - 16 (`q5_0_as_q8_0`). The layout is
 quant_blocks.h's: tiles of 64 output rows, each group the 64 rows' float32 scales, minimums or second scales, then
 the quants transposed [byte row][64 rows] (Q4_KF as Q4_1 keeps them: byte b holds k = b low and k = b + 16 high;
 Q6_KF signed bytes, Q5_KF unsigned ones).
@@ -23,9 +25,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 SUPER = 256  # weights per K-quant super-block
-SUPER_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210, Q.Q5_K: 176}
+SUPER_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210, Q.Q5_K: 176, Q.Q3_K: 110}
 GROUP, TILE = 32, 64
-QUANT_ROWS = {Q.Q4_K: 16, Q.Q6_K: 32, Q.Q5_K: 32, Q.Q5_1: 32}  # byte rows a group's quants take in the layout
+QUANT_ROWS = {Q.Q4_K: 16, Q.Q6_K: 32, Q.Q5_K: 32, Q.Q5_1: 32, Q.Q3_K: 32}  # byte rows a group's quants take
 Q5_1_BYTES, Q5_0_BYTES, Q8_0_BYTES = 24, 22, 34  # one 32-weight block
 
 
@@ -106,6 +108,23 @@ def _q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return scale[..., 0], scale[..., 1], q.view(np.uint8)
 
 
+def _q3_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of Q3_K super-blocks -> (first and second sub-blocks' scales [rows, groups] float32, signed quant bytes
+    -4..3 [rows, groups, 32]): Q6_KF's layout, the same weights (d * (sc - 32)) * q, each product exact."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, SUPER_BYTES[Q.Q3_K])
+    hmask, qs, packed = b[..., :32], b[..., 32:96], b[..., 96:108]
+    low = (packed[..., None, :8] >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F  # scale s < 8: byte s low
+    high = (packed[..., None, 8:12] >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 0x03  # 2 bits of byte s % 4
+    sc = (low.reshape(rows, -1, 16) | (high.reshape(rows, -1, 16) << 4)).astype(np.int8) - np.int8(32)
+    scale = (_half(b[..., 108:110])[..., None] * sc.astype(np.float32)).reshape(rows, -1, 2)  # [rows, groups, 2]
+    ql = (qs.reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03
+    qh = (hmask.reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 0x01
+    # k = 128 half + 32 shift + l for the low bits, 32 bit + l for the high one; a clear high bit subtracts 4
+    q = ql.reshape(rows, -1, GROUP).astype(np.int8) - ((qh.reshape(rows, -1, GROUP) ^ 1) << 2).astype(np.int8)
+    return scale[..., 0], scale[..., 1], q.view(np.uint8)
+
+
 def groups_bytes(qtype: Q) -> int:
     """Bytes of one group of a 64-row tile: two float32 vectors, then the quants."""
     return TILE * 8 + QUANT_ROWS[qtype] * TILE
@@ -114,7 +133,7 @@ def groups_bytes(qtype: Q) -> int:
 def repack_k(parts: list[tuple[np.ndarray, np.ndarray | None]], qtype: Q, out: np.ndarray) -> None:
     """The parts' rows (raw super-blocks [rows, bytes], HF row order or None) one after another into `out` (uint8,
     tiles x groups x groups_bytes(qtype), zero rows past the last)."""
-    convert = {Q.Q4_K: _q4_k, Q.Q6_K: _q6_k, Q.Q5_K: _q5_k, Q.Q5_1: _q5_1}[qtype]
+    convert = {Q.Q4_K: _q4_k, Q.Q6_K: _q6_k, Q.Q5_K: _q5_k, Q.Q5_1: _q5_1, Q.Q3_K: _q3_k}[qtype]
     pieces = [convert(raw if order is None else raw[order]) for raw, order in parts]
     first, second, quants = (np.concatenate([p[i] for p in pieces]) for i in range(3))
     n, groups = first.shape

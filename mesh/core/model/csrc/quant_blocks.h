@@ -21,7 +21,8 @@
  *          then the nibbles as Q4_1 keeps them (byte b: k = b low, k = b + 16 high); w = q * D + M, rounded once
  *          (q * D is exact), the gguf package's d * q - dm;
  *   Q6_KF: a Q6_K group of 32 as a Q8_0 group of signed bytes q - 32, with the scales d * sc of its two sub-blocks
- *          of 16 (k < 16, then k >= 16), float32; w = q * D, rounded once, as the package's;
+ *          of 16 (k < 16, then k >= 16), float32; w = q * D, rounded once, as the package's (a Q3_K group likewise:
+ *          its bytes q in -4..3 under the scales d * (sc - 32), w = q * D exact);
  *   Q5_KF: a Q5_K sub-block of 32 (or a Q5_1 block) as unsigned bytes q (0..31) with the scale D and the negated
  *          minimum M (Q5_1: its float16 d and m), float32; w = q * D + M in one fused multiply-add (q * D exact).
  * (A Q5_0 block is a Q8_0 one: its weights (q - 16) * d are a Q8_0 block's with the bytes q - 16.) */
