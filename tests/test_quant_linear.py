@@ -25,8 +25,8 @@ from station.step import Station
 
 pytestmark = pytest.mark.skipif(resolve_linear_backend("auto", torch.device("cpu"), torch.float32) != "packed",
                                 reason="the packed native kernels do not build on this machine")
-KINDS = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-K_KINDS = (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # super-blocks of 256 weights
+KINDS = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+K_KINDS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # super-blocks of 256 weights
 CFG = ModelConfig(arch="llama", vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=4,
                   num_attention_heads=6, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
                   rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)
@@ -38,9 +38,10 @@ def _k_blocks(w: np.ndarray, qtype: Q, seed: int = 0) -> np.ndarray:
     need to be any the format holds."""
     rng = np.random.default_rng(seed + w.shape[0])
     n, supers = w.shape[0], w.shape[1] // 256
-    size, d_at = {Q.Q3_K: (110, 108), Q.Q4_K: (144, 0), Q.Q5_K: (176, 0), Q.Q6_K: (210, 208)}[qtype]
+    size, d_at = {Q.Q2_K: (84, 80), Q.Q3_K: (110, 108), Q.Q4_K: (144, 0), Q.Q5_K: (176, 0),
+                  Q.Q6_K: (210, 208)}[qtype]
     b = rng.integers(0, 256, (n, supers, size), dtype=np.uint8)
-    halves = 1 if qtype in (Q.Q3_K, Q.Q6_K) else 2  # Q4_K / Q5_K: d and dmin
+    halves = 1 if qtype in (Q.Q3_K, Q.Q6_K) else 2  # Q2_K / Q4_K / Q5_K: d and dmin
     d = rng.uniform(2e-4, 2e-3, (n, supers, halves)) * rng.choice([-1.0, 1.0], (n, supers, halves))
     b[..., d_at:d_at + 2 * halves] = d.astype(np.float16).view(np.uint8)
     return b.reshape(n, -1)
@@ -96,8 +97,8 @@ def test_malformed_blocks_are_refused_with_a_clear_error():
         QuantRows("w", Q.Q4_1, raw, 48)
     with pytest.raises(QuantFormatError, match="Q8_0 rows of"):
         QuantRows("w", Q.Q8_0, raw, 64)  # Q4_1 bytes read as Q8_0: 40 bytes a row is no whole block count
-    with pytest.raises(QuantFormatError, match="type Q2_K is not one the quantized kernel holds"):
-        QuantRows("w", Q.Q2_K, raw, 64)
+    with pytest.raises(QuantFormatError, match="type Q8_1 is not one the quantized kernel holds"):
+        QuantRows("w", Q.Q8_1, raw, 64)
     with pytest.raises(QuantFormatError, match=r"Q4_K rows of \[40\] uint8 do not hold 64 weights in blocks of 256"):
         QuantRows("w", Q.Q4_K, raw, 64)  # a K-quant row holds whole super-blocks of 256
     with pytest.raises(QuantFormatError, match="differ in type or width"):
@@ -168,28 +169,28 @@ def test_a_layer_of_blocks_and_float_tiles_runs_fused_with_the_dequantized_bits(
 
 
 def test_a_k_quant_file_runs_its_blocks_fused_with_the_dequantized_bits(tmp_path):
-    """A file of Q3_K, Q4_K, Q5_K and Q6_K matrices (as K-quant files mix them: v in Q6_K beside q and k in Q4_K, so
-    the three cannot share one weight) beside a Q8_0 embedding: the station keeps every matrix as blocks, runs
+    """A file of Q2_K, Q3_K, Q4_K, Q5_K and Q6_K matrices (as K-quant files mix them: v in Q6_K beside q in Q4_K,
+    so q, k and v cannot share one weight) beside a Q8_0 embedding: the station keeps every matrix as blocks, runs
     each layer in one native call (q, k and v as three linears there), and gives the bits of the dequantized
     checkpoint."""
     cfg = ModelConfig(arch="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
                       rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)
     src = write_checkpoint(tmp_path / "k", cfg)
-    kinds = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q3_K, "gate_proj": Q.Q5_K,
-             "up_proj": Q.Q5_K, "down_proj": Q.Q6_K}
+    kinds = {"q_proj": Q.Q4_K, "k_proj": Q.Q5_K, "v_proj": Q.Q6_K, "o_proj": Q.Q3_K, "gate_proj": Q.Q2_K,
+             "up_proj": Q.Q2_K, "down_proj": Q.Q6_K}
     path = write_gguf(src, tmp_path / "k.gguf", Q.Q8_0, qtype_of=kinds,
                       quantizer=lambda w, qt: _k_blocks(w, qt) if qt in kinds.values() else quantize(w, qt))
     quant = Station(path, StationSpec(layers=(0, 2)))
     dense = Station(convert_gguf(path, tmp_path / "hf", progress=False), StationSpec(layers=(0, 2)))
     layouts = {m.weight_layout for m in quant.model.modules() if isinstance(m, Linear) and m.kernel is not None}
-    assert layouts == {"q3_k", "q4_k", "q5_k", "q6_k", "q8_0"}  # the tied head Q8_0
+    assert layouts == {"q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0"}  # the tied head Q8_0
     assert quant.fused is not None
     table = dict(zip(FIELDS, quant.fused.weights.T.tolist()))  # field -> its value in each layer
-    code = {q: QUANT_FORMAT + KERNEL_CODES[q] for q in (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)}
+    code = {q: QUANT_FORMAT + KERNEL_CODES[q] for q in K_KINDS}
     assert table["qkv_weight"] == [0, 0] and all(a > 0 for f in ("q_weight", "k_weight", "v_weight") for a in table[f])
     assert [table[f][0] for f in ("q_format", "k_format", "v_format", "o_format", "gate_up_format", "down_format")] \
-        == [code[Q.Q4_K], code[Q.Q4_K], code[Q.Q6_K], code[Q.Q3_K], code[Q.Q5_K], code[Q.Q6_K]]
+        == [code[Q.Q4_K], code[Q.Q5_K], code[Q.Q6_K], code[Q.Q3_K], code[Q.Q2_K], code[Q.Q6_K]]
     prompts = [[1, 17, 300, 45, 99, 7, 250], [5, 9], [400, 3, 77]]
     want = _logits(dense, prompts, 0)
     assert torch.equal(_logits(quant, prompts, 0), want)

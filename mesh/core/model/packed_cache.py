@@ -37,7 +37,7 @@ import torch
 from mesh.core.model.host_memory import PAGE, aligned, tensor_bytes
 
 MAGIC = b"WMPACKED"
-LAYOUT_VERSION = 3  # bump when quant_repack.c's or packed_linear.c's tile layout, or a layer's order of weights, changes
+LAYOUT_VERSION = 4  # bump when quant_repack.c's or packed_linear.c's tile layout, or a layer's order of weights, changes
 _HEAD = struct.Struct("<8sQ")  # MAGIC, the JSON description's length
 ORPHAN_S = 3600.0  # a temporary entry file this old belongs to a store whose process died: removed
 MIN_FREE_FRACTION = 0.10  # a store that would leave less of its disk free than this writes nothing

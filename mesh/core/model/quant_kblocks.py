@@ -13,7 +13,9 @@ scales of its two sub-blocks, w = (q - 32) * D), so the kernel computes the pack
 the station keeps the bits of one holding the dequantized weights. Q5_K is Q4_K with a fifth bit (its q * D is
 exact too) and Q5_1 is d * q + m with a 5-bit q: both become Q5_KF, unsigned bytes with a float32 scale and
 minimum. Q3_K, sixteen sub-blocks of 16 with 6-bit scales and 3-bit quants, w = (d * (sc - 32)) * q with q in -4..3
-(both products exact), is a Q6_KF group of signed bytes q under its two sub-blocks' scales. Q5_0, (q - 16) * d, is
+(both products exact), is a Q6_KF group of signed bytes q under its two sub-blocks' scales; Q2_K, sixteen sub-blocks
+of 16 with 4-bit scales and minimums and 2-bit quants, w = (d * sc) * q - dmin * m, a Q2_KF group: Q4_KF's nibbles
+with a scale and a negated minimum for each sub-block (four float32 vectors, `VECTORS`). Q5_0, (q - 16) * d, is
 exactly a Q8_0 block of the bytes q - 16 (`q5_0_as_q8_0`). The layout is
 quant_blocks.h's: tiles of 64 output rows, each group the 64 rows' float32 scales, minimums or second scales, then
 the quants transposed [byte row][64 rows] (Q4_KF as Q4_1 keeps them: byte b holds k = b low and k = b + 16 high;
@@ -25,9 +27,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 SUPER = 256  # weights per K-quant super-block
-SUPER_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210, Q.Q5_K: 176, Q.Q3_K: 110}
+SUPER_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210, Q.Q5_K: 176, Q.Q3_K: 110, Q.Q2_K: 84}
 GROUP, TILE = 32, 64
-QUANT_ROWS = {Q.Q4_K: 16, Q.Q6_K: 32, Q.Q5_K: 32, Q.Q5_1: 32, Q.Q3_K: 32}  # byte rows a group's quants take
+QUANT_ROWS = {Q.Q4_K: 16, Q.Q6_K: 32, Q.Q5_K: 32, Q.Q5_1: 32, Q.Q3_K: 32, Q.Q2_K: 16}  # byte rows of a group's quants
+VECTORS = {Q.Q2_K: 4}  # float32 vectors of 64 ahead of a group's quants (every other type 2)
 Q5_1_BYTES, Q5_0_BYTES, Q8_0_BYTES = 24, 22, 34  # one 32-weight block
 
 
@@ -125,25 +128,41 @@ def _q3_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return scale[..., 0], scale[..., 1], q.view(np.uint8)
 
 
+def _q2_k(raw: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Rows of Q2_K super-blocks -> (first sub-blocks' scales, their negated minimums, second sub-blocks' scales,
+    their negated minimums [rows, groups] float32, the 2-bit quants as Q4_1's nibbles [rows, groups, 16]): the
+    package's dl * q - ml with dl = d * sc and ml = dmin * m exact, as q * D + M in one fused multiply-add."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, SUPER_BYTES[Q.Q2_K])
+    packed, qs = b[..., :16], b[..., 16:80]  # a scale (low nibble) and a minimum (high) per sub-block of 16
+    scale = _half(b[..., 80:82])[..., None] * (packed & 0x0F).astype(np.float32)  # [rows, supers, 16] exact
+    minimum = -(_half(b[..., 82:84])[..., None] * (packed >> 4).astype(np.float32))
+    q = (qs.reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03
+    q = q.reshape(rows, -1, GROUP)  # k = 128 half + 32 shift + l: sub-block k // 16
+    first, second = scale.reshape(rows, -1, 2), minimum.reshape(rows, -1, 2)
+    return first[..., 0], second[..., 0], first[..., 1], second[..., 1], q[..., :16] | (q[..., 16:] << 4)
+
+
 def groups_bytes(qtype: Q) -> int:
-    """Bytes of one group of a 64-row tile: two float32 vectors, then the quants."""
-    return TILE * 8 + QUANT_ROWS[qtype] * TILE
+    """Bytes of one group of a 64-row tile: its float32 vectors (two, or Q2_K's four), then the quants."""
+    return TILE * 4 * VECTORS.get(qtype, 2) + QUANT_ROWS[qtype] * TILE
 
 
 def repack_k(parts: list[tuple[np.ndarray, np.ndarray | None]], qtype: Q, out: np.ndarray) -> None:
     """The parts' rows (raw super-blocks [rows, bytes], HF row order or None) one after another into `out` (uint8,
     tiles x groups x groups_bytes(qtype), zero rows past the last)."""
-    convert = {Q.Q4_K: _q4_k, Q.Q6_K: _q6_k, Q.Q5_K: _q5_k, Q.Q5_1: _q5_1, Q.Q3_K: _q3_k}[qtype]
+    convert = {Q.Q4_K: _q4_k, Q.Q6_K: _q6_k, Q.Q5_K: _q5_k, Q.Q5_1: _q5_1, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k}[qtype]
     pieces = [convert(raw if order is None else raw[order]) for raw, order in parts]
-    first, second, quants = (np.concatenate([p[i] for p in pieces]) for i in range(3))
-    n, groups = first.shape
+    *vectors, quants = (np.concatenate([p[i] for p in pieces]) for i in range(len(pieces[0])))
+    n, groups = vectors[0].shape
     tiles = -(-n // TILE)
     layout = out.reshape(tiles, groups, groups_bytes(qtype))  # every byte written below (padded rows zero)
-    for at, values in ((0, first), (TILE * 4, second)):
+    for i, values in enumerate(vectors):
+        at = i * TILE * 4
         padded = np.zeros((tiles * TILE, groups), np.float32)
         padded[:n] = values
         layout[..., at:at + TILE * 4].view(np.float32)[:] = padded.reshape(tiles, TILE, groups).transpose(0, 2, 1)
     padded = np.zeros((tiles * TILE, groups, QUANT_ROWS[qtype]), np.uint8)
     padded[:n] = quants
-    layout[..., TILE * 8:].reshape(tiles, groups, QUANT_ROWS[qtype], TILE)[:] = (
+    layout[..., TILE * 4 * len(vectors):].reshape(tiles, groups, QUANT_ROWS[qtype], TILE)[:] = (
         padded.reshape(tiles, TILE, groups, QUANT_ROWS[qtype]).transpose(0, 2, 3, 1))

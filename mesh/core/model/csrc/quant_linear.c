@@ -81,7 +81,7 @@ static float half_to_float(uint16_t h) {
 #endif
 
 /* A group's 64 float16 scales (and, for Q4_1, 64 minimums) widened to float32 into d (and m): exact, the values
- * the gguf package gives. */
+ * the gguf package gives. (Q2_KF's: its first sub-block's; the second's are read in place, second_scales.) */
 QINLINE void group_scales(const uint8_t *grp, const int qtype, float *d, float *m) {
     if (float_scales(qtype)) {  /* the K kinds: already float32 (scales, then minimums or second scales) */
         memcpy(d, grp, QTILE_N * sizeof(float));
@@ -100,6 +100,11 @@ QINLINE void group_scales(const uint8_t *grp, const int qtype, float *d, float *
     }
 }
 
+/* Q2_KF: the float32 scales of a group's second sub-block of 16 (its negated minimums follow, QTILE_N on). */
+QINLINE const float *second_scales(const uint8_t *grp) {
+    return (const float *)(grp + QTILE_N * 2 * sizeof(float));
+}
+
 /* LANES rows' weights at one k of a group: q the k's quant bytes (offset to these rows; for Q4_0 / Q4_1 the byte row
  * k mod 16, its high nibbles when `high`), their scales d and minimums m (float32): the float32 the gguf package
  * gives each. */
@@ -116,9 +121,13 @@ QINLINE vec dequantize_at(const uint8_t *q, const int qtype, const int high, vec
 QINLINE void decode_k(const uint8_t *qs, const int qtype, int k, const float *d, const float *m, float *w) {
     const uint8_t *q = qs + (int64_t)(byte_quants(qtype) ? k : k & 15) * QTILE_N;  /* Q4: byte row k mod 16 */
     const int high = !byte_quants(qtype) && k >= 16;
-    const float *scale = qtype == Q6_KF && k >= 16 ? m : d;  /* Q6_KF: the second sub-block's scales */
+    const float *scale = qtype == Q6_KF && k >= 16 ? m : d, *minimum = m;  /* Q6_KF: the second sub-block's scales */
+    if (qtype == Q2_KF && k >= 16) {  /* Q2_KF: its second sub-block's scales and minimums, in place before qs */
+        scale = (const float *)qs - 2 * QTILE_N;
+        minimum = scale + QTILE_N;
+    }
     for (int j = 0; j < QTILE_N; j += LANES)
-        vstore(w + j, dequantize_at(q + j, qtype, high, vload(scale + j), with_minimum(qtype) ? vload(m + j)
+        vstore(w + j, dequantize_at(q + j, qtype, high, vload(scale + j), with_minimum(qtype) ? vload(minimum + j)
                                                                                               : vload(scale + j)));
 }
 
@@ -139,6 +148,7 @@ static void decode_block(const uint8_t *tile, int64_t gbytes, int qtype, int64_t
         case Q4_KF: decode_block_of(tile, gbytes, Q4_KF, k0, kb, wb); break;
         case Q6_KF: decode_block_of(tile, gbytes, Q6_KF, k0, kb, wb); break;
         case Q5_KF: decode_block_of(tile, gbytes, Q5_KF, k0, kb, wb); break;
+        case Q2_KF: decode_block_of(tile, gbytes, Q2_KF, k0, kb, wb); break;
         default: decode_block_of(tile, gbytes, Q4_1, k0, kb, wb); break;
     }
 }
@@ -189,9 +199,11 @@ QINLINE void few_rows_of(const float *x, int64_t ldx, const int tb, const int cv
                 few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, 0, GROUP / 2, 0, d + c0, d + c0, c0 == 0, a);
                 few_rows_k(xg, ldx, tb, cv, qs + GROUP / 2 * QTILE_N + c0, qtype, GROUP / 2, GROUP / 2, 0, m + c0,
                            m + c0, c0 == 0, a);
-            } else {  /* k = 0..15 from the low nibbles of byte rows 0..15, then k = 16..31 from their high ones */
+            } else {  /* k = 0..15 from the low nibbles of byte rows 0..15, then k = 16..31 from their high ones (Q2_KF:
+                       * at the second sub-block's scales and minimums) */
+                const float *d2 = qtype == Q2_KF ? second_scales(grp) : d, *m2 = qtype == Q2_KF ? d2 + QTILE_N : m;
                 few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, 0, GROUP / 2, 0, d + c0, m + c0, c0 == 0, a);
-                few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, GROUP / 2, GROUP / 2, 1, d + c0, m + c0, c0 == 0, a);
+                few_rows_k(xg, ldx, tb, cv, qs + c0, qtype, GROUP / 2, GROUP / 2, 1, d2 + c0, m2 + c0, c0 == 0, a);
             }
             for (int i = 0; i < tb; i++)
                 for (int j = 0; j < cv; j++) vstore(acc + i * QTILE_N + c0 + j * LANES, a[i][j]);
@@ -252,8 +264,13 @@ QINLINE void few_nibbles_of(const float *x, int64_t ldx, const int tb, const uin
         if (with_minimum(qtype)) to_lane_order(m, ml);
         const float *xg = x + g * GROUP;
         const uint8_t *qs = group_quants(grp, qtype);
-        /* k = 0..15: low nibbles of byte rows 0..15; k = 16..31: their high ones */
+        /* k = 0..15: low nibbles of byte rows 0..15; k = 16..31: their high ones (Q2_KF: at the second sub-block's
+         * scales and minimums) */
         nibbles_k(xg, ldx, tb, qs, qtype, 0, table, dl, ml, a);
+        if (qtype == Q2_KF) {
+            to_lane_order(second_scales(grp), dl);
+            to_lane_order(second_scales(grp) + QTILE_N, ml);
+        }
         nibbles_k(xg + GROUP / 2, ldx, tb, qs, qtype, 4, table, dl, ml, a);
     }
     for (int i = 0; i < tb; i++) {
@@ -302,10 +319,12 @@ static void few_rows(const float *x, int64_t ldx, int64_t T, const uint8_t *tile
 #if defined(__AVX512F__)
         case Q4_0: FEW_NIBBLES_OF_TYPE(Q4_0); break;
         case Q4_KF: FEW_NIBBLES_OF_TYPE(Q4_KF); break;
+        case Q2_KF: FEW_NIBBLES_OF_TYPE(Q2_KF); break;
         default: FEW_NIBBLES_OF_TYPE(Q4_1); break;
 #else
         case Q4_0: FEW_ROWS_OF_TYPE(Q4_0); break;
         case Q4_KF: FEW_ROWS_OF_TYPE(Q4_KF); break;
+        case Q2_KF: FEW_ROWS_OF_TYPE(Q2_KF); break;
         default: FEW_ROWS_OF_TYPE(Q4_1); break;
 #endif
     }
