@@ -25,23 +25,26 @@ from station.step import Station
 
 pytestmark = pytest.mark.skipif(resolve_linear_backend("auto", torch.device("cpu"), torch.float32) != "packed",
                                 reason="the packed native kernels do not build on this machine")
-KINDS = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-K_KINDS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # super-blocks of 256 weights
+KINDS = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+K_KINDS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)  # super-blocks of 256 weights
+# the kinds made as random blocks (the gguf package cannot quantize to them): weights a block, bytes, where its
+# float16 scale(s) start and how many
+RANDOM_BLOCKS = {Q.Q2_K: (256, 84, 80, 2), Q.Q3_K: (256, 110, 108, 1), Q.Q4_K: (256, 144, 0, 2),
+                 Q.Q5_K: (256, 176, 0, 2), Q.Q6_K: (256, 210, 208, 1), Q.IQ4_XS: (256, 136, 0, 1),
+                 Q.IQ4_NL: (32, 18, 0, 1)}
 CFG = ModelConfig(arch="llama", vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=4,
                   num_attention_heads=6, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
                   rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)
 
 
 def _k_blocks(w: np.ndarray, qtype: Q, seed: int = 0) -> np.ndarray:
-    """Random K-quant blocks for a weight of w's shape (the gguf package cannot make K-quants): every quant, 6-bit
-    scale and minimum drawn at random, float16 d (and dmin) small and of either sign. Not w's values: the bits only
-    need to be any the format holds."""
+    """Random blocks of a RANDOM_BLOCKS kind for a weight of w's shape: every quant, sub-block scale and minimum
+    drawn at random, float16 d (and dmin) small and of either sign. Not w's values: the bits only need to be any
+    the format holds."""
     rng = np.random.default_rng(seed + w.shape[0])
-    n, supers = w.shape[0], w.shape[1] // 256
-    size, d_at = {Q.Q2_K: (84, 80), Q.Q3_K: (110, 108), Q.Q4_K: (144, 0), Q.Q5_K: (176, 0),
-                  Q.Q6_K: (210, 208)}[qtype]
+    block, size, d_at, halves = RANDOM_BLOCKS[qtype]
+    n, supers = w.shape[0], w.shape[1] // block
     b = rng.integers(0, 256, (n, supers, size), dtype=np.uint8)
-    halves = 1 if qtype in (Q.Q3_K, Q.Q6_K) else 2  # Q2_K / Q4_K / Q5_K: d and dmin
     d = rng.uniform(2e-4, 2e-3, (n, supers, halves)) * rng.choice([-1.0, 1.0], (n, supers, halves))
     b[..., d_at:d_at + 2 * halves] = d.astype(np.float16).view(np.uint8)
     return b.reshape(n, -1)
@@ -52,7 +55,7 @@ def _blocks(n: int, k: int, qtype: Q, seed: int) -> tuple[np.ndarray, torch.Tens
     dequantized by the gguf package)."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     w[0, :32] = 0.0  # a block of zeros (scale 0) too
-    raw = _k_blocks(w, qtype, seed) if qtype in K_KINDS else quantize(w, qtype)
+    raw = _k_blocks(w, qtype, seed) if qtype in RANDOM_BLOCKS else quantize(w, qtype)
     return raw, torch.from_numpy(np.array(dequantize(raw, qtype), dtype=np.float32))
 
 
@@ -78,7 +81,7 @@ def test_kernel_gives_the_packed_float32_bits_at_every_row_and_thread_count(qtyp
         assert torch.equal(one_thread, quant_linear(x, qw, bias, n, qtype))
 
 
-@pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q5_0, Q.Q5_1, *K_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, *K_KINDS), ids=lambda q: q.name)
 def test_parts_repack_side_by_side_in_their_row_order(qtype):
     k = 256 if qtype in K_KINDS else 64
     (a, da), (b, db) = _blocks(70, k, qtype, 1), _blocks(37, k, qtype, 2)
@@ -169,28 +172,28 @@ def test_a_layer_of_blocks_and_float_tiles_runs_fused_with_the_dequantized_bits(
 
 
 def test_a_k_quant_file_runs_its_blocks_fused_with_the_dequantized_bits(tmp_path):
-    """A file of Q2_K, Q3_K, Q4_K, Q5_K and Q6_K matrices (as K-quant files mix them: v in Q6_K beside q in Q4_K,
-    so q, k and v cannot share one weight) beside a Q8_0 embedding: the station keeps every matrix as blocks, runs
-    each layer in one native call (q, k and v as three linears there), and gives the bits of the dequantized
-    checkpoint."""
+    """A file of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS matrices (as K-quant files mix them: v in Q6_K beside q
+    in Q4_K, so q, k and v cannot share one weight) beside a Q8_0 embedding: the station keeps every matrix as
+    blocks, runs each layer in one native call (q, k and v as three linears there), and gives the bits of the
+    dequantized checkpoint."""
     cfg = ModelConfig(arch="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
                       rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)
     src = write_checkpoint(tmp_path / "k", cfg)
-    kinds = {"q_proj": Q.Q4_K, "k_proj": Q.Q5_K, "v_proj": Q.Q6_K, "o_proj": Q.Q3_K, "gate_proj": Q.Q2_K,
-             "up_proj": Q.Q2_K, "down_proj": Q.Q6_K}
+    kinds = {"q_proj": Q.Q4_K, "k_proj": Q.IQ4_XS, "v_proj": Q.Q6_K, "o_proj": Q.Q3_K, "gate_proj": Q.Q2_K,
+             "up_proj": Q.Q2_K, "down_proj": Q.Q5_K}
     path = write_gguf(src, tmp_path / "k.gguf", Q.Q8_0, qtype_of=kinds,
                       quantizer=lambda w, qt: _k_blocks(w, qt) if qt in kinds.values() else quantize(w, qt))
     quant = Station(path, StationSpec(layers=(0, 2)))
     dense = Station(convert_gguf(path, tmp_path / "hf", progress=False), StationSpec(layers=(0, 2)))
     layouts = {m.weight_layout for m in quant.model.modules() if isinstance(m, Linear) and m.kernel is not None}
-    assert layouts == {"q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0"}  # the tied head Q8_0
+    assert layouts == {"q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "q8_0"}  # the tied head Q8_0
     assert quant.fused is not None
     table = dict(zip(FIELDS, quant.fused.weights.T.tolist()))  # field -> its value in each layer
     code = {q: QUANT_FORMAT + KERNEL_CODES[q] for q in K_KINDS}
     assert table["qkv_weight"] == [0, 0] and all(a > 0 for f in ("q_weight", "k_weight", "v_weight") for a in table[f])
     assert [table[f][0] for f in ("q_format", "k_format", "v_format", "o_format", "gate_up_format", "down_format")] \
-        == [code[Q.Q4_K], code[Q.Q5_K], code[Q.Q6_K], code[Q.Q3_K], code[Q.Q2_K], code[Q.Q6_K]]
+        == [code[Q.Q4_K], code[Q.IQ4_XS], code[Q.Q6_K], code[Q.Q3_K], code[Q.Q2_K], code[Q.Q5_K]]
     prompts = [[1, 17, 300, 45, 99, 7, 250], [5, 9], [400, 3, 77]]
     want = _logits(dense, prompts, 0)
     assert torch.equal(_logits(quant, prompts, 0), want)

@@ -26,7 +26,8 @@ from mesh.core.model.gguf_header import HeaderError, TensorInfo, read_header
 GGUF_ARCHS = ("llama", "qwen2")  # general.architecture values this runtime runs (mistral GGUFs say llama)
 NARROW_TYPES = {Q.F16: np.float16, Q.BF16: np.int16}  # 16-bit float types read_narrow keeps (bfloat16 as its bits)
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
-                   Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+                   Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+                   Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_M, Q.IQ1_S)
 _SUPPORTED = frozenset(SUPPORTED_TYPES)
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}

@@ -15,8 +15,11 @@ exact too) and Q5_1 is d * q + m with a 5-bit q: both become Q5_KF, unsigned byt
 minimum. Q3_K, sixteen sub-blocks of 16 with 6-bit scales and 3-bit quants, w = (d * (sc - 32)) * q with q in -4..3
 (both products exact), is a Q6_KF group of signed bytes q under its two sub-blocks' scales; Q2_K, sixteen sub-blocks
 of 16 with 4-bit scales and minimums and 2-bit quants, w = (d * sc) * q - dmin * m, a Q2_KF group: Q4_KF's nibbles
-with a scale and a negated minimum for each sub-block (four float32 vectors, `VECTORS`). Q5_0, (q - 16) * d, is
-exactly a Q8_0 block of the bytes q - 16 (`q5_0_as_q8_0`). The layout is
+with a scale and a negated minimum for each sub-block (four float32 vectors, `VECTORS`). IQ4_NL (blocks of 32,
+w = d * value[q] with 16 fixed values of at most 7 bits) and IQ4_XS (super-blocks of 256, a 6-bit scale per 32,
+w = (d * (ls - 32)) * value[q], at most 23 significant bits) are IQ4F groups: one float32 scale, then the nibbles
+as Q4_1's, which the kernel looks up. Q5_0, (q - 16) * d, is exactly a Q8_0 block of the bytes q - 16
+(`q5_0_as_q8_0`). The layout is
 quant_blocks.h's: tiles of 64 output rows, each group the 64 rows' float32 scales, minimums or second scales, then
 the quants transposed [byte row][64 rows] (Q4_KF as Q4_1 keeps them: byte b holds k = b low and k = b + 16 high;
 Q6_KF signed bytes, Q5_KF unsigned ones).
@@ -27,10 +30,12 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 SUPER = 256  # weights per K-quant super-block
-SUPER_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210, Q.Q5_K: 176, Q.Q3_K: 110, Q.Q2_K: 84}
+SUPER_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210, Q.Q5_K: 176, Q.Q3_K: 110, Q.Q2_K: 84, Q.IQ4_XS: 136}
 GROUP, TILE = 32, 64
-QUANT_ROWS = {Q.Q4_K: 16, Q.Q6_K: 32, Q.Q5_K: 32, Q.Q5_1: 32, Q.Q3_K: 32, Q.Q2_K: 16}  # byte rows of a group's quants
-VECTORS = {Q.Q2_K: 4}  # float32 vectors of 64 ahead of a group's quants (every other type 2)
+QUANT_ROWS = {Q.Q4_K: 16, Q.Q6_K: 32, Q.Q5_K: 32, Q.Q5_1: 32, Q.Q3_K: 32, Q.Q2_K: 16, Q.IQ4_NL: 16,
+              Q.IQ4_XS: 16}  # byte rows of a group's quants
+VECTORS = {Q.Q2_K: 4, Q.IQ4_NL: 1, Q.IQ4_XS: 1}  # float32 vectors of 64 ahead of a group's quants (else 2)
+IQ4_NL_BYTES = 18  # one 32-weight block: float16 d, 16 bytes of nibbles
 Q5_1_BYTES, Q5_0_BYTES, Q8_0_BYTES = 24, 22, 34  # one 32-weight block
 
 
@@ -143,15 +148,35 @@ def _q2_k(raw: np.ndarray) -> tuple[np.ndarray, ...]:
     return first[..., 0], second[..., 0], first[..., 1], second[..., 1], q[..., :16] | (q[..., 16:] << 4)
 
 
+def _iq4_nl(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of IQ4_NL blocks -> (scales [rows, groups] float32 from their float16, the nibbles [rows, groups, 16] as
+    in the block: byte b holds k = b low, k = b + 16 high, each an index into IQ4_NL's table of 16 values)."""
+    b = raw.reshape(raw.shape[0], -1, IQ4_NL_BYTES)
+    return _half(b[..., 0:2]), b[..., 2:]
+
+
+def _iq4_xs(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of IQ4_XS super-blocks -> (each sub-block of 32's exact scale d * (ls - 32) [rows, groups] float32, its
+    nibbles [rows, groups, 16] as IQ4_NL's)."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, SUPER_BYTES[Q.IQ4_XS])
+    high = np.ascontiguousarray(b[..., 2:4]).view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)  # [rows, supers, 8]
+    low = b[..., 4:8, None] >> np.array([0, 4], np.uint8)  # [rows, supers, 4, 2]: sub-block 2i low nibble, 2i + 1 high
+    ls = (low.reshape(rows, -1, 8) & 0x0F) | ((high & 0x03).astype(np.uint8) << 4)
+    scale = _half(b[..., 0:2])[..., None] * (ls.astype(np.int8) - np.int8(32)).astype(np.float32)
+    return scale.reshape(rows, -1), b[..., 8:].reshape(rows, -1, 16)
+
+
 def groups_bytes(qtype: Q) -> int:
-    """Bytes of one group of a 64-row tile: its float32 vectors (two, or Q2_K's four), then the quants."""
+    """Bytes of one group of a 64-row tile: its float32 vectors (two; Q2_K four, IQ4 one), then the quants."""
     return TILE * 4 * VECTORS.get(qtype, 2) + QUANT_ROWS[qtype] * TILE
 
 
 def repack_k(parts: list[tuple[np.ndarray, np.ndarray | None]], qtype: Q, out: np.ndarray) -> None:
     """The parts' rows (raw super-blocks [rows, bytes], HF row order or None) one after another into `out` (uint8,
     tiles x groups x groups_bytes(qtype), zero rows past the last)."""
-    convert = {Q.Q4_K: _q4_k, Q.Q6_K: _q6_k, Q.Q5_K: _q5_k, Q.Q5_1: _q5_1, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k}[qtype]
+    convert = {Q.Q4_K: _q4_k, Q.Q6_K: _q6_k, Q.Q5_K: _q5_k, Q.Q5_1: _q5_1, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k,
+               Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs}[qtype]
     pieces = [convert(raw if order is None else raw[order]) for raw, order in parts]
     *vectors, quants = (np.concatenate([p[i] for p in pieces]) for i in range(len(pieces[0])))
     n, groups = vectors[0].shape

@@ -1,9 +1,9 @@
 """Linear weights kept in GGUF's quantized blocks on the station's packed float32 CPU path.
 
-A station loading a GGUF with the packed backend keeps its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q2_K-Q6_K
-linear weights as they are in the file: `QuantRows` names a weight's rows of blocks (memory-mapped, nothing read),
-`repack` lays them out once for csrc/quant_linear.c (a byte transpose into tiles of 64 output rows, the float16
-scales gathered beside them; the K-quants and Q5_1 as groups of 32 with their exact float32 scales,
+A station loading a GGUF with the packed backend keeps its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL and
+IQ4_XS linear weights as they are in the file: `QuantRows` names a weight's rows of blocks (memory-mapped, nothing
+read), `repack` lays them out once for csrc/quant_linear.c (a byte transpose into tiles of 64 output rows, the
+float16 scales gathered beside them; the K-quants, Q5_1 and the IQ4s as groups of 32 with their exact float32 scales,
 mesh.core.model.quant_kblocks; Q5_0 as the Q8_0 blocks of the same weights), and `quant_linear` computes x W^T from
 that layout, dequantizing in registers. Each weight dequantizes to exactly
 the float32 the `gguf` package (and mesh.core.model.gguf_dequant) gives it, and each output is the fused
@@ -27,14 +27,15 @@ from mesh.core.model.native import load_native
 from mesh.core.model.quant_kblocks import SUPER, SUPER_BYTES, groups_bytes, q5_0_as_q8_0, repack_k
 
 # the types quant_linear.c holds, by its enum (csrc/quant_blocks.h): Q5_0 runs as the Q8_0 of its bytes q - 16,
-# Q5_1 and Q5_K as Q5_KF, Q3_K as Q6_KF, Q2_K as Q2_KF
+# Q5_1 and Q5_K as Q5_KF, Q3_K as Q6_KF, Q2_K as Q2_KF, IQ4_NL and IQ4_XS as IQ4F
 KERNEL_CODES = {Q.Q8_0: 0, Q.Q4_0: 1, Q.Q4_1: 2, Q.Q4_K: 3, Q.Q6_K: 4, Q.Q5_K: 5, Q.Q5_1: 5, Q.Q5_0: 0,
-                Q.Q3_K: 4, Q.Q2_K: 6}
-PY_LAYOUT = (Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q5_1, Q.Q3_K, Q.Q2_K)  # laid out in Python (quant_kblocks), the rest by C
+                Q.Q3_K: 4, Q.Q2_K: 6, Q.IQ4_NL: 7, Q.IQ4_XS: 7}
+# laid out in Python (quant_kblocks), the rest by csrc/quant_repack.c
+PY_LAYOUT = (Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q5_1, Q.Q3_K, Q.Q2_K, Q.IQ4_NL, Q.IQ4_XS)
 GROUP_WEIGHTS = 32  # k per group of the layout, every type
-BLOCK_WEIGHTS = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_1: 32, Q.Q5_0: 32, Q.Q5_1: 32,
+BLOCK_WEIGHTS = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_1: 32, Q.Q5_0: 32, Q.Q5_1: 32, Q.IQ4_NL: 32,
                  **{q: SUPER for q in SUPER_BYTES}}  # weights per block in the file
-BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24,
+BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.IQ4_NL: 18,
                **SUPER_BYTES}  # float16 scale (and minimum), then the quants
 TILE_ROWS = 64
 REPACK_THREADS = 1  # a byte transpose, ~4 G weights/s on one core; a second thread's wake-up costs more where busy

@@ -29,8 +29,10 @@
  *          negated minimum -(dmin * m): four float32 vectors (first scales, first minimums, second scales, second
  *          minimums), then the 2-bit q as Q4_1's nibbles (the low ones k < 16, the first sub-block; the high ones
  *          k >= 16, the second); w = q * D + M in one fused multiply-add (q * D exact), the package's dl * q - ml.
+ *   IQ4F:  an IQ4_NL block (or an IQ4_XS sub-block of 32): its float32 scale (IQ4_NL's float16 d, IQ4_XS's exact
+ *          d * (ls - 32)), then Q4_1's nibbles, each an index into IQ4_NL's 16 values; w = value * D, exact.
  * (A Q5_0 block is a Q8_0 one: its weights (q - 16) * d are a Q8_0 block's with the bytes q - 16.) */
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_KF = 3, Q6_KF = 4, Q5_KF = 5, Q2_KF = 6 };
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_KF = 3, Q6_KF = 4, Q5_KF = 5, Q2_KF = 6, IQ4F = 7 };
 
 static inline __attribute__((always_inline)) int byte_quants(int qtype) {
     return qtype == Q8_0 || qtype == Q6_KF || qtype == Q5_KF;
@@ -39,7 +41,7 @@ static inline __attribute__((always_inline)) int with_minimum(int qtype) {
     return qtype == Q4_1 || qtype == Q4_KF || qtype == Q5_KF || qtype == Q2_KF;
 }
 static inline __attribute__((always_inline)) int float_scales(int qtype) {
-    return qtype == Q4_KF || qtype == Q6_KF || qtype == Q5_KF || qtype == Q2_KF;
+    return qtype == Q4_KF || qtype == Q6_KF || qtype == Q5_KF || qtype == Q2_KF || qtype == IQ4F;
 }
 
 /* Bytes of one group of a 64-row tile in the repacked layout. */
@@ -49,6 +51,7 @@ static inline int64_t quant_group_bytes(int qtype) {
         case Q4_0: return QTILE_N * 2 + GROUP / 2 * QTILE_N;  /* scales, 16 bytes a row */
         case Q4_KF: return QTILE_N * 8 + GROUP / 2 * QTILE_N; /* float32 scales and minimums, 16 bytes a row */
         case Q2_KF: return QTILE_N * 16 + GROUP / 2 * QTILE_N; /* two of each, 16 bytes a row */
+        case IQ4F: return QTILE_N * 4 + GROUP / 2 * QTILE_N;  /* float32 scales, 16 bytes a row */
         case Q6_KF:                                           /* two float32 scales, 32 bytes a row */
         case Q5_KF: return QTILE_N * 8 + GROUP * QTILE_N;     /* float32 scales and minimums, 32 bytes a row */
         default: return QTILE_N * 4 + GROUP / 2 * QTILE_N;    /* Q4_1: scales and minimums, 16 bytes a row */
@@ -63,6 +66,7 @@ static inline __attribute__((always_inline)) int64_t block_bytes(int qtype) {
 /* Bytes of a group's float16 scales (and minimums) ahead of its quants. */
 static inline __attribute__((always_inline)) int64_t group_scale_bytes(int qtype) {
     if (qtype == Q2_KF) return QTILE_N * 16;
+    if (qtype == IQ4F) return QTILE_N * 4;
     return float_scales(qtype) ? QTILE_N * 8 : qtype == Q4_1 ? QTILE_N * 4 : QTILE_N * 2;
 }
 

@@ -45,6 +45,11 @@ QINLINE qivec ihigh(qivec v) { return _mm512_srli_epi32(v, 4); }
 QINLINE qivec iminus8(qivec v) { return _mm512_sub_epi32(v, _mm512_set1_epi32(8)); }
 QINLINE vec tofloat(qivec v) { return _mm512_cvtepi32_ps(v); }
 QINLINE vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+/* IQ4_NL's 16 values (the gguf package's kvalues) at the nibbles v */
+QINLINE vec iq4_values(qivec v) {
+    return _mm512_permutexvar_ps(v, _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
+                                                   89, 113));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256i qivec;
 QINLINE qivec load_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
@@ -54,6 +59,11 @@ QINLINE qivec ihigh(qivec v) { return _mm256_srli_epi32(v, 4); }
 QINLINE qivec iminus8(qivec v) { return _mm256_sub_epi32(v, _mm256_set1_epi32(8)); }
 QINLINE vec tofloat(qivec v) { return _mm256_cvtepi32_ps(v); }
 QINLINE vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+QINLINE vec iq4_values(qivec v) {  /* two 8-entry lookups (the low 3 bits), chosen by bit 3 */
+    vec lo = _mm256_permutevar8x32_ps(_mm256_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10), v);
+    vec hi = _mm256_permutevar8x32_ps(_mm256_setr_ps(1, 13, 25, 38, 53, 69, 89, 113), v);
+    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
+}
 #endif
 
 /* The quant bytes of a group (after its scales and minimums). */
@@ -85,7 +95,7 @@ static float half_to_float(uint16_t h) {
 QINLINE void group_scales(const uint8_t *grp, const int qtype, float *d, float *m) {
     if (float_scales(qtype)) {  /* the K kinds: already float32 (scales, then minimums or second scales) */
         memcpy(d, grp, QTILE_N * sizeof(float));
-        memcpy(m, grp + QTILE_N * sizeof(float), QTILE_N * sizeof(float));
+        if (qtype != IQ4F) memcpy(m, grp + QTILE_N * sizeof(float), QTILE_N * sizeof(float));  /* IQ4F: none */
         return;
     }
     const uint16_t *h = (const uint16_t *)grp;
@@ -113,6 +123,7 @@ QINLINE vec dequantize_at(const uint8_t *q, const int qtype, const int high, vec
     if (byte_quants(qtype)) return vmul(tofloat(load_i8(q)), d);
     qivec v = high ? ihigh(load_u8(q)) : ilow(load_u8(q));
     if (qtype == Q4_0) return vmul(tofloat(iminus8(v)), d);
+    if (qtype == IQ4F) return vmul(iq4_values(v), d);  /* value * D exact */
     return vfma(tofloat(v), d, m);  /* q * d exact: one rounding gives the gguf package's two (top of file) */
 }
 
@@ -149,6 +160,7 @@ static void decode_block(const uint8_t *tile, int64_t gbytes, int qtype, int64_t
         case Q6_KF: decode_block_of(tile, gbytes, Q6_KF, k0, kb, wb); break;
         case Q5_KF: decode_block_of(tile, gbytes, Q5_KF, k0, kb, wb); break;
         case Q2_KF: decode_block_of(tile, gbytes, Q2_KF, k0, kb, wb); break;
+        case IQ4F: decode_block_of(tile, gbytes, IQ4F, k0, kb, wb); break;
         default: decode_block_of(tile, gbytes, Q4_1, k0, kb, wb); break;
     }
 }
@@ -231,7 +243,7 @@ QINLINE void nibbles_k(const float *xg, int64_t ldx, const int tb, const uint8_t
         __m512i line = _mm512_loadu_si512(qs);
         for (int s = 0; s < 4; s++) {
             vec q = _mm512_permutexvar_ps(_mm512_srli_epi32(line, 8 * s + shift), table);
-            vec w = qtype == Q4_0 ? vmul(q, dl[s]) : vfma(q, dl[s], ml[s]);
+            vec w = qtype == Q4_0 || qtype == IQ4F ? vmul(q, dl[s]) : vfma(q, dl[s], ml[s]);
             for (int i = 0; i < tb; i++) a[i][s] = vfma(vbroadcast(xg + i * ldx + kk), w, a[i][s]);
         }
     }
@@ -249,7 +261,9 @@ QINLINE void nibbles_k(const float *xg, int64_t ldx, const int tb, const uint8_t
 QINLINE void few_nibbles_of(const float *x, int64_t ldx, const int tb, const uint8_t *tile, int64_t gbytes,
                             const int qtype, int64_t K, float *acc) {
     const vec table = qtype == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                                    : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+                      : qtype == IQ4F ? _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53,
+                                                       69, 89, 113)
+                                      : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     vec a[FEW_ROWS][4];
     for (int i = 0; i < tb; i++)
         for (int s = 0; s < 4; s++) a[i][s] = _mm512_setzero_ps();
@@ -320,11 +334,13 @@ static void few_rows(const float *x, int64_t ldx, int64_t T, const uint8_t *tile
         case Q4_0: FEW_NIBBLES_OF_TYPE(Q4_0); break;
         case Q4_KF: FEW_NIBBLES_OF_TYPE(Q4_KF); break;
         case Q2_KF: FEW_NIBBLES_OF_TYPE(Q2_KF); break;
+        case IQ4F: FEW_NIBBLES_OF_TYPE(IQ4F); break;
         default: FEW_NIBBLES_OF_TYPE(Q4_1); break;
 #else
         case Q4_0: FEW_ROWS_OF_TYPE(Q4_0); break;
         case Q4_KF: FEW_ROWS_OF_TYPE(Q4_KF); break;
         case Q2_KF: FEW_ROWS_OF_TYPE(Q2_KF); break;
+        case IQ4F: FEW_ROWS_OF_TYPE(IQ4F); break;
         default: FEW_ROWS_OF_TYPE(Q4_1); break;
 #endif
     }
