@@ -16,6 +16,7 @@ from mesh.core.model.kernels import resolve_linear_backend, use_linear_backend
 from mesh.core.model.packed import pack_rows, pad_bias, packed_linear
 from mesh.core.model.llama import Linear
 from mesh.core.model.loader import load_range
+from mesh.core.model.quant_kblocks import FACTORED, SUPER_BYTES
 from mesh.core.model.quant_linear import (KERNEL_CODES, QuantEmbedding, QuantFormatError, QuantRows, quant_linear,
                                           repack)
 from mesh.core.model.synthetic import write_checkpoint
@@ -25,13 +26,15 @@ from station.step import Station
 
 pytestmark = pytest.mark.skipif(resolve_linear_backend("auto", torch.device("cpu"), torch.float32) != "packed",
                                 reason="the packed native kernels do not build on this machine")
-KINDS = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
-K_KINDS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)  # super-blocks of 256 weights
+KINDS = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS,
+         *FACTORED)
+K_KINDS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, *FACTORED)  # super-blocks of 256 weights
 # the kinds made as random blocks (the gguf package cannot quantize to them): weights a block, bytes, where its
 # float16 scale(s) start and how many
 RANDOM_BLOCKS = {Q.Q2_K: (256, 84, 80, 2), Q.Q3_K: (256, 110, 108, 1), Q.Q4_K: (256, 144, 0, 2),
                  Q.Q5_K: (256, 176, 0, 2), Q.Q6_K: (256, 210, 208, 1), Q.IQ4_XS: (256, 136, 0, 1),
-                 Q.IQ4_NL: (32, 18, 0, 1)}
+                 Q.IQ4_NL: (32, 18, 0, 1), **{q: (256, SUPER_BYTES[q], 0, 1) for q in FACTORED if q != Q.IQ1_M},
+                 Q.IQ1_M: (256, 56, None, 1)}  # IQ1_M's float16 d: the top nibbles of its four last uint16
 CFG = ModelConfig(arch="llama", vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=4,
                   num_attention_heads=6, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
                   rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)
@@ -46,6 +49,13 @@ def _k_blocks(w: np.ndarray, qtype: Q, seed: int = 0) -> np.ndarray:
     n, supers = w.shape[0], w.shape[1] // block
     b = rng.integers(0, 256, (n, supers, size), dtype=np.uint8)
     d = rng.uniform(2e-4, 2e-3, (n, supers, halves)) * rng.choice([-1.0, 1.0], (n, supers, halves))
+    if d_at is None:  # IQ1_M: d's nibble i at the top of its scales' uint16 i
+        scales = np.ascontiguousarray(b[..., size - 8:]).view(np.uint16)  # [n, supers, 4]
+        bits = d[..., 0].astype(np.float16).view(np.uint16)
+        for i in range(4):
+            scales[..., i] = (scales[..., i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
+        b[..., size - 8:] = scales.view(np.uint8)
+        return b.reshape(n, -1)
     b[..., d_at:d_at + 2 * halves] = d.astype(np.float16).view(np.uint8)
     return b.reshape(n, -1)
 
@@ -104,6 +114,10 @@ def test_malformed_blocks_are_refused_with_a_clear_error():
         QuantRows("w", Q.Q8_1, raw, 64)
     with pytest.raises(QuantFormatError, match=r"Q4_K rows of \[40\] uint8 do not hold 64 weights in blocks of 256"):
         QuantRows("w", Q.Q4_K, raw, 64)  # a K-quant row holds whole super-blocks of 256
+    nan = _k_blocks(np.zeros((2, 256), np.float32), Q.IQ2_XXS)
+    nan[1, 0:2] = np.array([0x7E00], np.uint16).view(np.uint8)  # a NaN scale: no exact scale and small integers
+    with pytest.raises(QuantFormatError, match=r"w: IQ2_XXS rows: its weights are not one float32 scale times .*NaN"):
+        repack([QuantRows("w", Q.IQ2_XXS, nan, 256)])
     with pytest.raises(QuantFormatError, match="differ in type or width"):
         repack([QuantRows("a", Q.Q4_1, raw, 64), QuantRows("b", Q.Q8_0, quantize(np.ones((2, 64), np.float32),
                                                                                     Q.Q8_0), 64)])

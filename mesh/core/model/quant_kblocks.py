@@ -27,13 +27,20 @@ Q6_KF signed bytes, Q5_KF unsigned ones).
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from mesh.core.model.gguf_dequant import dequantize_f32
+
 SUPER = 256  # weights per K-quant super-block
-SUPER_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210, Q.Q5_K: 176, Q.Q3_K: 110, Q.Q2_K: 84, Q.IQ4_XS: 136}
+# the i-quants below IQ4, whose weights are a scale per 16 times grid values (small integers, signs, IQ1's eighths):
+# held as Q6_KF groups of signed bytes, factored out of the package's float32 (`_factored`)
+FACTORED = (Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)
+SUPER_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210, Q.Q5_K: 176, Q.Q3_K: 110, Q.Q2_K: 84, Q.IQ4_XS: 136,
+               **{q: GGML_QUANT_SIZES[q][1] for q in FACTORED}}
 GROUP, TILE = 32, 64
 QUANT_ROWS = {Q.Q4_K: 16, Q.Q6_K: 32, Q.Q5_K: 32, Q.Q5_1: 32, Q.Q3_K: 32, Q.Q2_K: 16, Q.IQ4_NL: 16,
-              Q.IQ4_XS: 16}  # byte rows of a group's quants
+              Q.IQ4_XS: 16, **{q: 32 for q in FACTORED}}  # byte rows of a group's quants
 VECTORS = {Q.Q2_K: 4, Q.IQ4_NL: 1, Q.IQ4_XS: 1}  # float32 vectors of 64 ahead of a group's quants (else 2)
 IQ4_NL_BYTES = 18  # one 32-weight block: float16 d, 16 bytes of nibbles
 Q5_1_BYTES, Q5_0_BYTES, Q8_0_BYTES = 24, 22, 34  # one 32-weight block
@@ -167,6 +174,40 @@ def _iq4_xs(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale.reshape(rows, -1), b[..., 8:].reshape(rows, -1, 16)
 
 
+def factor_sixteens(w: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Float32 weights [rows, K] whose every 16 are one float32 scale times integers of at most 7 bits -> (the first and
+    second sixteen's scales of each group of 32 [rows, groups], the integers as signed bytes [rows, groups, 32]), each
+    product exactly the weight (checked; ValueError naming `name` where a sixteen is not so). Each sixteen's scale is
+    the largest that divides all of its weights: the gcd of their significands at a common exponent."""
+    rows = w.shape[0]
+    sub = w.reshape(rows, -1, 16)
+    if not np.isfinite(sub).all():
+        raise ValueError(f"{name}: its weights are not one float32 scale times integers (a NaN or infinite weight)")
+    mantissa, exponent = np.frexp(sub)
+    significand = np.ldexp(mantissa.astype(np.float64), 24).astype(np.int64)  # w = significand * 2^(exponent - 24)
+    exponent = np.where(significand != 0, exponent - 24, np.iinfo(np.int32).max)
+    low = exponent.min(axis=-1, keepdims=True)  # the smallest weight's exponent (all zero: none)
+    low = np.where(low == np.iinfo(np.int32).max, 0, low)
+    spread = np.where(significand != 0, exponent - low, 0)
+    if spread.max(initial=0) > 38:
+        raise ValueError(f"{name}: weights within a sixteen span more than 2^38; not a scale times small integers")
+    whole = significand << spread  # every weight as an integer at the sixteen's smallest exponent
+    unit = np.gcd.reduce(whole, axis=-1, keepdims=True)
+    q = whole // np.maximum(unit, 1)
+    scale = np.ldexp(unit.astype(np.float64), low).astype(np.float32)  # [rows, sixteens, 1]
+    if np.abs(q).max(initial=0) > 127 or not np.array_equal(q.astype(np.float32) * scale, sub):
+        raise ValueError(f"{name}: its weights are not one float32 scale times integers of at most 7 bits in every 16")
+    scale = scale.reshape(rows, -1, 2)
+    return scale[..., 0], scale[..., 1], q.astype(np.int8).reshape(rows, -1, GROUP).view(np.uint8)
+
+
+def _factored(qtype: Q):
+    """The layout converter of a FACTORED type: the package's float32 of its rows, factored (`factor_sixteens`)."""
+    def convert(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return factor_sixteens(dequantize_f32(raw, qtype), f"{qtype.name} rows")
+    return convert
+
+
 def groups_bytes(qtype: Q) -> int:
     """Bytes of one group of a 64-row tile: its float32 vectors (two; Q2_K four, IQ4 one), then the quants."""
     return TILE * 4 * VECTORS.get(qtype, 2) + QUANT_ROWS[qtype] * TILE
@@ -176,7 +217,7 @@ def repack_k(parts: list[tuple[np.ndarray, np.ndarray | None]], qtype: Q, out: n
     """The parts' rows (raw super-blocks [rows, bytes], HF row order or None) one after another into `out` (uint8,
     tiles x groups x groups_bytes(qtype), zero rows past the last)."""
     convert = {Q.Q4_K: _q4_k, Q.Q6_K: _q6_k, Q.Q5_K: _q5_k, Q.Q5_1: _q5_1, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k,
-               Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs}[qtype]
+               Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs, **{q: _factored(q) for q in FACTORED}}[qtype]
     pieces = [convert(raw if order is None else raw[order]) for raw, order in parts]
     *vectors, quants = (np.concatenate([p[i] for p in pieces]) for i in range(len(pieces[0])))
     n, groups = vectors[0].shape

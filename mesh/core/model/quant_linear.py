@@ -24,14 +24,14 @@ from torch import nn
 
 from mesh.core.model.gguf_dequant import dequantize_f32
 from mesh.core.model.native import load_native
-from mesh.core.model.quant_kblocks import SUPER, SUPER_BYTES, groups_bytes, q5_0_as_q8_0, repack_k
+from mesh.core.model.quant_kblocks import FACTORED, SUPER, SUPER_BYTES, groups_bytes, q5_0_as_q8_0, repack_k
 
 # the types quant_linear.c holds, by its enum (csrc/quant_blocks.h): Q5_0 runs as the Q8_0 of its bytes q - 16,
-# Q5_1 and Q5_K as Q5_KF, Q3_K as Q6_KF, Q2_K as Q2_KF, IQ4_NL and IQ4_XS as IQ4F
+# Q5_1 and Q5_K as Q5_KF, Q3_K as Q6_KF, Q2_K as Q2_KF, IQ4_NL and IQ4_XS as IQ4F, the lower i-quants as Q6_KF
 KERNEL_CODES = {Q.Q8_0: 0, Q.Q4_0: 1, Q.Q4_1: 2, Q.Q4_K: 3, Q.Q6_K: 4, Q.Q5_K: 5, Q.Q5_1: 5, Q.Q5_0: 0,
-                Q.Q3_K: 4, Q.Q2_K: 6, Q.IQ4_NL: 7, Q.IQ4_XS: 7}
+                Q.Q3_K: 4, Q.Q2_K: 6, Q.IQ4_NL: 7, Q.IQ4_XS: 7, **{q: 4 for q in FACTORED}}
 # laid out in Python (quant_kblocks), the rest by csrc/quant_repack.c
-PY_LAYOUT = (Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q5_1, Q.Q3_K, Q.Q2_K, Q.IQ4_NL, Q.IQ4_XS)
+PY_LAYOUT = (Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q5_1, Q.Q3_K, Q.Q2_K, Q.IQ4_NL, Q.IQ4_XS, *FACTORED)
 GROUP_WEIGHTS = 32  # k per group of the layout, every type
 BLOCK_WEIGHTS = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_1: 32, Q.Q5_0: 32, Q.Q5_1: 32, Q.IQ4_NL: 32,
                  **{q: SUPER for q in SUPER_BYTES}}  # weights per block in the file
@@ -97,7 +97,10 @@ def repack(parts: Sequence[QuantRows], out: torch.Tensor | None = None) -> torch
     elif out.dtype != torch.uint8 or out.shape != (nbytes,) or not out.is_contiguous():
         raise ValueError(f"repack: out must be contiguous uint8 [{nbytes}], got {out.dtype} {list(out.shape)}")
     if qtype in PY_LAYOUT:
-        repack_k([(p.raw, p.order) for p in parts], qtype, out.numpy())
+        try:
+            repack_k([(p.raw, p.order) for p in parts], qtype, out.numpy())
+        except ValueError as err:  # blocks whose weights the layout cannot hold exactly (a corrupt scale)
+            raise QuantFormatError(f"{', '.join(p.name for p in parts)}: {err}") from None
         return out
     lib, why = load_native()
     if lib is None:
