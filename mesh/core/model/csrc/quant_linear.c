@@ -1,5 +1,5 @@
 /* Float32 linear over weights kept in GGUF's blocks (Q8_0, Q4_0, Q4_1, and the kinds quant_blocks.h makes of Q5_0,
- * Q5_1 and the K-quants, groups of 32 all): out[t, n] = sum_k x[t, k] * w[n, k]
+ * Q5_1, the K-quants and the i-quants, groups of 32 all): out[t, n] = sum_k x[t, k] * w[n, k]
  * (+ bias[n]), each w[n, k] dequantized in registers to exactly the float32 the `gguf` package gives it:
  *   Q8_0: q * d          Q4_0: (q - 8) * d          Q4_1: q * d, rounded, then + m, rounded
  * with d and m the block's float16 scale and minimum. q * d is exact in float32 (an 11-bit float16 significand
@@ -36,6 +36,10 @@
 #define QINLINE INLINE
 _Static_assert(QTILE_N == TILE_N, "a repacked tile is one register-tile width");
 
+/* IQ4_NL's 16 values (an IQ4F nibble's weight before its scale; the gguf package's kvalues) */
+static const float IQ4_VALUES[16] __attribute__((aligned(64))) = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                                   1,    13,   25,  38,  53,  69,  89,  113};
+
 #if defined(__AVX512F__)
 typedef __m512i qivec;
 QINLINE qivec load_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
@@ -45,11 +49,7 @@ QINLINE qivec ihigh(qivec v) { return _mm512_srli_epi32(v, 4); }
 QINLINE qivec iminus8(qivec v) { return _mm512_sub_epi32(v, _mm512_set1_epi32(8)); }
 QINLINE vec tofloat(qivec v) { return _mm512_cvtepi32_ps(v); }
 QINLINE vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-/* IQ4_NL's 16 values (the gguf package's kvalues) at the nibbles v */
-QINLINE vec iq4_values(qivec v) {
-    return _mm512_permutexvar_ps(v, _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
-                                                   89, 113));
-}
+QINLINE vec iq4_values(qivec v) { return _mm512_permutexvar_ps(v, _mm512_load_ps(IQ4_VALUES)); }  /* at nibbles v */
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256i qivec;
 QINLINE qivec load_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
@@ -59,9 +59,9 @@ QINLINE qivec ihigh(qivec v) { return _mm256_srli_epi32(v, 4); }
 QINLINE qivec iminus8(qivec v) { return _mm256_sub_epi32(v, _mm256_set1_epi32(8)); }
 QINLINE vec tofloat(qivec v) { return _mm256_cvtepi32_ps(v); }
 QINLINE vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-QINLINE vec iq4_values(qivec v) {  /* two 8-entry lookups (the low 3 bits), chosen by bit 3 */
-    vec lo = _mm256_permutevar8x32_ps(_mm256_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10), v);
-    vec hi = _mm256_permutevar8x32_ps(_mm256_setr_ps(1, 13, 25, 38, 53, 69, 89, 113), v);
+QINLINE vec iq4_values(qivec v) {  /* at nibbles v: two 8-entry lookups (the low 3 bits), chosen by bit 3 */
+    vec lo = _mm256_permutevar8x32_ps(_mm256_load_ps(IQ4_VALUES), v);
+    vec hi = _mm256_permutevar8x32_ps(_mm256_load_ps(IQ4_VALUES + 8), v);
     return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
 }
 #endif
@@ -133,8 +133,8 @@ QINLINE void decode_k(const uint8_t *qs, const int qtype, int k, const float *d,
     const uint8_t *q = qs + (int64_t)(byte_quants(qtype) ? k : k & 15) * QTILE_N;  /* Q4: byte row k mod 16 */
     const int high = !byte_quants(qtype) && k >= 16;
     const float *scale = qtype == Q6_KF && k >= 16 ? m : d, *minimum = m;  /* Q6_KF: the second sub-block's scales */
-    if (qtype == Q2_KF && k >= 16) {  /* Q2_KF: its second sub-block's scales and minimums, in place before qs */
-        scale = (const float *)qs - 2 * QTILE_N;
+    if (qtype == Q2_KF && k >= 16) {  /* Q2_KF: its second sub-block's scales and minimums, in place */
+        scale = second_scales(qs - group_scale_bytes(qtype));  /* the group starts its scales' bytes before qs */
         minimum = scale + QTILE_N;
     }
     for (int j = 0; j < QTILE_N; j += LANES)
@@ -261,8 +261,7 @@ QINLINE void nibbles_k(const float *xg, int64_t ldx, const int tb, const uint8_t
 QINLINE void few_nibbles_of(const float *x, int64_t ldx, const int tb, const uint8_t *tile, int64_t gbytes,
                             const int qtype, int64_t K, float *acc) {
     const vec table = qtype == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                      : qtype == IQ4F ? _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53,
-                                                       69, 89, 113)
+                      : qtype == IQ4F ? _mm512_load_ps(IQ4_VALUES)
                                       : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     vec a[FEW_ROWS][4];
     for (int i = 0; i < tb; i++)
