@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
@@ -16,7 +17,7 @@ from mesh.core.model.kernels import resolve_linear_backend, use_linear_backend
 from mesh.core.model.packed import pack_rows, pad_bias, packed_linear
 from mesh.core.model.llama import Linear
 from mesh.core.model.loader import load_range
-from mesh.core.model.quant_kblocks import FACTORED, SUPER_BYTES
+from mesh.core.model.quant_kblocks import FACTORED
 from mesh.core.model.quant_linear import (KERNEL_CODES, QuantEmbedding, QuantFormatError, QuantRows, quant_linear,
                                           repack)
 from mesh.core.model.synthetic import write_checkpoint
@@ -29,12 +30,10 @@ pytestmark = pytest.mark.skipif(resolve_linear_backend("auto", torch.device("cpu
 KINDS = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS,
          *FACTORED)
 K_KINDS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, *FACTORED)  # super-blocks of 256 weights
-# the kinds made as random blocks (the gguf package cannot quantize to them): weights a block, bytes, where its
-# float16 scale(s) start and how many
-RANDOM_BLOCKS = {Q.Q2_K: (256, 84, 80, 2), Q.Q3_K: (256, 110, 108, 1), Q.Q4_K: (256, 144, 0, 2),
-                 Q.Q5_K: (256, 176, 0, 2), Q.Q6_K: (256, 210, 208, 1), Q.IQ4_XS: (256, 136, 0, 1),
-                 Q.IQ4_NL: (32, 18, 0, 1), **{q: (256, SUPER_BYTES[q], 0, 1) for q in FACTORED if q != Q.IQ1_M},
-                 Q.IQ1_M: (256, 56, None, 1)}  # IQ1_M's float16 d: the top nibbles of its four last uint16
+# the kinds made as random blocks (the gguf package cannot quantize to them): where a block's float16 scale(s)
+# start and how many (IQ1_M's d: the top nibbles of its four last uint16)
+RANDOM_BLOCKS = {Q.Q2_K: (80, 2), Q.Q3_K: (108, 1), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1),
+                 Q.IQ4_XS: (0, 1), Q.IQ4_NL: (0, 1), **{q: (0, 1) for q in FACTORED}, Q.IQ1_M: (None, 1)}
 CFG = ModelConfig(arch="llama", vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=4,
                   num_attention_heads=6, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
                   rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=True)
@@ -45,7 +44,7 @@ def _k_blocks(w: np.ndarray, qtype: Q, seed: int = 0) -> np.ndarray:
     drawn at random, float16 d (and dmin) small and of either sign. Not w's values: the bits only need to be any
     the format holds."""
     rng = np.random.default_rng(seed + w.shape[0])
-    block, size, d_at, halves = RANDOM_BLOCKS[qtype]
+    (block, size), (d_at, halves) = GGML_QUANT_SIZES[qtype], RANDOM_BLOCKS[qtype]
     n, supers = w.shape[0], w.shape[1] // block
     b = rng.integers(0, 256, (n, supers, size), dtype=np.uint8)
     d = rng.uniform(2e-4, 2e-3, (n, supers, halves)) * rng.choice([-1.0, 1.0], (n, supers, halves))

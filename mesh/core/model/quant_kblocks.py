@@ -32,18 +32,16 @@ from gguf import GGMLQuantizationType as Q
 
 from mesh.core.model.gguf_dequant import dequantize_f32
 
-SUPER = 256  # weights per K-quant super-block
 # the i-quants below IQ4, whose weights are a scale per 16 times grid values (small integers, signs, IQ1's eighths):
 # held as Q6_KF groups of signed bytes, factored out of the package's float32 (`_factored`)
 FACTORED = (Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)
-SUPER_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210, Q.Q5_K: 176, Q.Q3_K: 110, Q.Q2_K: 84, Q.IQ4_XS: 136,
-               **{q: GGML_QUANT_SIZES[q][1] for q in FACTORED}}
+SUPER_BYTES = {q: GGML_QUANT_SIZES[q][1] for q in (Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.Q2_K, Q.IQ4_XS, *FACTORED)}
 GROUP, TILE = 32, 64
 QUANT_ROWS = {Q.Q4_K: 16, Q.Q6_K: 32, Q.Q5_K: 32, Q.Q5_1: 32, Q.Q3_K: 32, Q.Q2_K: 16, Q.IQ4_NL: 16,
               Q.IQ4_XS: 16, **{q: 32 for q in FACTORED}}  # byte rows of a group's quants
 VECTORS = {Q.Q2_K: 4, Q.IQ4_NL: 1, Q.IQ4_XS: 1}  # float32 vectors of 64 ahead of a group's quants (else 2)
-IQ4_NL_BYTES = 18  # one 32-weight block: float16 d, 16 bytes of nibbles
-Q5_1_BYTES, Q5_0_BYTES, Q8_0_BYTES = 24, 22, 34  # one 32-weight block
+# one 32-weight block's bytes (IQ4_NL: a float16 d, 16 bytes of nibbles)
+IQ4_NL_BYTES, Q5_1_BYTES, Q5_0_BYTES, Q8_0_BYTES = (GGML_QUANT_SIZES[q][1] for q in (Q.IQ4_NL, Q.Q5_1, Q.Q5_0, Q.Q8_0))
 
 
 def _half(b: np.ndarray) -> np.ndarray:

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
 from mesh.core.model.gguf_dequant import dequantize_f32
 from mesh.core.model.native import load_native
-from mesh.core.model.quant_kblocks import FACTORED, SUPER, SUPER_BYTES, groups_bytes, q5_0_as_q8_0, repack_k
+from mesh.core.model.quant_kblocks import FACTORED, groups_bytes, q5_0_as_q8_0, repack_k
 
 # the types quant_linear.c holds, by its enum (csrc/quant_blocks.h): Q5_0 runs as the Q8_0 of its bytes q - 16,
 # Q5_1 and Q5_K as Q5_KF, Q3_K as Q6_KF, Q2_K as Q2_KF, IQ4_NL and IQ4_XS as IQ4F, the lower i-quants as Q6_KF
@@ -33,10 +34,8 @@ KERNEL_CODES = {Q.Q8_0: 0, Q.Q4_0: 1, Q.Q4_1: 2, Q.Q4_K: 3, Q.Q6_K: 4, Q.Q5_K: 5
 # laid out in Python (quant_kblocks), the rest by csrc/quant_repack.c
 PY_LAYOUT = (Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q5_1, Q.Q3_K, Q.Q2_K, Q.IQ4_NL, Q.IQ4_XS, *FACTORED)
 GROUP_WEIGHTS = 32  # k per group of the layout, every type
-BLOCK_WEIGHTS = {Q.Q8_0: 32, Q.Q4_0: 32, Q.Q4_1: 32, Q.Q5_0: 32, Q.Q5_1: 32, Q.IQ4_NL: 32,
-                 **{q: SUPER for q in SUPER_BYTES}}  # weights per block in the file
-BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.IQ4_NL: 18,
-               **SUPER_BYTES}  # float16 scale (and minimum), then the quants
+BLOCK_WEIGHTS = {q: GGML_QUANT_SIZES[q][0] for q in KERNEL_CODES}  # weights per block in the file
+BLOCK_BYTES = {q: GGML_QUANT_SIZES[q][1] for q in KERNEL_CODES}  # its float16 scale(s) and quants
 TILE_ROWS = 64
 REPACK_THREADS = 1  # a byte transpose, ~4 G weights/s on one core; a second thread's wake-up costs more where busy
 GROUP_BYTES = {Q.Q8_0: 64 * 2 + 32 * 64, Q.Q5_0: 64 * 2 + 32 * 64, Q.Q4_0: 64 * 2 + 16 * 64,
