@@ -23,9 +23,18 @@ A frame is a fixed header and a body:
             announced request as a REQUEST (REPLY or ERROR). A client whose step fails after its ANNOUNCE closes the
             connection instead: the station drops the announced request unanswered
     ROWS_SHM  as ROWS, the rows in the segment
+    STEPS   client -> station: a ForwardRequest opening a steps session on the connection (station.steps_link): a
+            several-step decode wave's entries as of its first step, its `steps` and the relay list after the
+            station; no payload and no answer. It ends any session the connection had
+    STEP    client -> station, inside a session: one step's hidden rows, the body the step's index (STEP_INDEX); the
+            station derives the step's entries and answers STEP_REPLY (or ERROR, which ends the session)
+    STEP_SHM  as STEP, the rows in the segment
+    STEP_REPLY  station -> client: a step's answer (station.step_answers: KV and seconds of each station from the
+            answering one on, the sampled token ids, the samples' message)
 
-A station that knows ANNOUNCE says so in its REPLY to HELLO, whose body lists what it speaks beyond REQUEST
-(FEATURES, comma-separated); a client announces only to such a station (an earlier build's REPLY is empty).
+A station that knows ANNOUNCE and STEPS says so in its REPLY to HELLO, whose body lists what it speaks beyond REQUEST
+(FEATURES, comma-separated); a client announces or opens sessions only where a station names them (an earlier
+build's REPLY is empty or names ANNOUNCE alone).
 
 Nothing here knows the station: reading and writing frames, the status codes they carry, and the TLS contexts.
 """
@@ -46,9 +55,12 @@ from station.link_shm import RowsSegment
 MAGIC = b"WMRL"
 VERSION = 1
 HELLO, REQUEST, REPLY, ERROR, SHM, REQUEST_SHM, ANNOUNCE, ROWS, ROWS_SHM = 1, 2, 3, 4, 5, 6, 7, 8, 9
-IN_SEGMENT = (REQUEST_SHM, ROWS_SHM)  # the kinds whose rows are in the connection's segment, not the stream
-FEATURES = b"announce"  # a station's REPLY to HELLO: what it speaks beyond REQUEST
+STEPS, STEP, STEP_SHM, STEP_REPLY = 10, 11, 12, 13
+IN_SEGMENT = (REQUEST_SHM, ROWS_SHM, STEP_SHM)  # the kinds whose rows are in the connection's segment, not the stream
+ANNOUNCES, SESSIONS = b"announce", b"steps"  # what a station may speak beyond REQUEST
+FEATURES = ANNOUNCES + b"," + SESSIONS  # a station's REPLY to HELLO
 HEADER = struct.Struct("<4sBBHIId")
+STEP_INDEX = struct.Struct("<I")  # a STEP frame's body: the step's index in its session
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection must finish TLS and say HELLO within this
 CODES = {code.value[0]: code for code in grpc.StatusCode}  # a frame's status number -> its gRPC status
 

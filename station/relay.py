@@ -26,14 +26,15 @@ call. The link's address is asked for once per successor and forgotten when the 
 Over a link, a relaying station announces the onward request (entries, relay list) before it computes its rows and
 sends only the rows after: its successor decodes the entries meanwhile instead of in the moment when, in a full
 chain, every station hands its wave on at once (a step that fails after its announcement closes that connection,
-and the successor drops the request).
+and the successor drops the request). A several-step decode wave goes once, as a steps session, and each step after
+as its rows alone (station.relay_steps, station.step_hops, station.steps_session).
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
@@ -41,20 +42,16 @@ import torch
 
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.transport import StationTls, address_host, bearer_metadata
-from mesh.core.wave import StationOutput, WaveEntry, decode_step_entries, decode_steps_problem
-from mesh.core.wire import entries_to_proto, sampled_token_ids
-from mesh.core.wire_tensor import WireError, tensor_bytes, tensor_header, tensor_to_proto
+from mesh.core.wave import StationOutput
+from mesh.core.wire_tensor import tensor_bytes, tensor_header, tensor_to_proto
 from station.client import station_channel
 from station.interceptors import FORWARD_METHOD, INFO_METHOD, WireBytes
 from station.link_frames import LinkError
 from station.link_shm import SEGMENT_BYTES
-from station.relay_link_client import Announced, RelayLinkClient
-from station.step_replies import merge_step_replies, never
+from station.relay_link_client import Announced, RelayLinkClient, StepsCall
+from station.step_answers import StepAnswer
 
 _R = TypeVar("_R")
-# one step of this station on a wave's entries and token ids, given the announcement made for its rows (where they
-# may be put: Announced.rows_space), and its KV report
-StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor, Announced | None], tuple[StationOutput, pb.KVUsage]]
 
 
 class RelayError(RuntimeError):
@@ -207,6 +204,27 @@ class Successors:
                 announcement.client.abandon(announcement)
             raise
 
+    def open_steps(self, request: pb.ForwardRequest, successor: str, time_left_s: float | None, *, n_entries: int,
+                   vocab_size: int) -> StepsCall | None:
+        """Open a steps session with `successor` for a several-step wave (station.steps_session; `request`: its
+        entries as of its first step, its steps and the relay list after the successor), where its relay link takes
+        sessions; None where it does not (each step then goes as a whole request); RelayError where it cannot be
+        reached."""
+        timeout = self._timeout(time_left_s)
+
+        def send() -> StepsCall | None:
+            link = self._link(successor, timeout)
+            return None if link is None else link.open_steps(request, timeout, n_entries=n_entries,
+                                                             vocab_size=vocab_size)
+        return self._relayed(successor, send)
+
+    def session_step(self, call: StepsCall, successor: str, k: int, rows: torch.Tensor, time_left_s: float | None,
+                     meanwhile: Callable[[], object] | None = None) -> StepAnswer:
+        """Step `k` of an open session with `successor`: `rows` out, its answer back (`meanwhile()` run between);
+        RelayError on failure, WireError for an answer that does not check."""
+        timeout = self._timeout(time_left_s)
+        return self._relayed(successor, lambda: call.client.step(call, k, tensor_bytes(rows), timeout, meanwhile))
+
     def _timeout(self, time_left_s: float | None) -> float:
         return self._default_timeout_s if time_left_s is None else max(0.0, time_left_s)
 
@@ -238,45 +256,6 @@ class Successors:
         else:
             raise RelayError(grpc.StatusCode.INTERNAL, f"relay to {successor}: the reply carries no result")
         return reply
-
-    def relay_steps(self, wave_id: int, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, steps: int,
-                    relay_to: tuple[str, ...], run_step: StepRunner, time_left_s: Callable[[], float | None], *,
-                    block_tokens: int, vocab_size: int) -> pb.ForwardReply:
-        """`steps` decode steps of a wave at the first station of a chain (`relay_step_replies`), as one reply: the
-        samples step-major, one RelayHop per relayed station (seconds summed over the steps, the last step's KV)
-        and the steps' own seconds. Any step that fails fails the call: the wave's effect is then unknown, as for
-        one step."""
-        return merge_step_replies(self.relay_step_replies(wave_id, entries, token_ids, steps, relay_to, run_step,
-                                                          time_left_s, block_tokens=block_tokens,
-                                                          vocab_size=vocab_size))
-
-    def relay_step_replies(self, wave_id: int, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, steps: int,
-                           relay_to: tuple[str, ...], run_step: StepRunner, time_left_s: Callable[[], float | None],
-                           *, block_tokens: int, vocab_size: int, ended: Callable[[], bool] = never
-                           ) -> Iterator[pb.ForwardReply]:
-        """`steps` decode steps of a wave at the first station of a chain, one reply per step as its samples come
-        back: each step runs here (`run_step`: this station's step and KV report, under its lock; its rows where the
-        step's announcement has room for them), goes through
-        `relay_to` as a one-step wave, and the samples that come back are the next step's token ids. Each reply
-        holds the step's samples, this station's seconds and KV and one RelayHop per relayed station. No step
-        starts once `ended()` (the call was ended early)."""
-        if (problem := decode_steps_problem(entries, steps, block_tokens)) is not None:
-            raise WireError(problem)
-        for k in range(steps):
-            if k and ended():
-                return
-            step = decode_step_entries(entries, k, block_tokens)
-            onward = pb.ForwardRequest(wave_id=wave_id, relay_to=relay_to[1:])
-            entries_to_proto(step, into=onward.entries)
-            announcement = self.announce(onward, relay_to[0], time_left_s())
-            out, kv = self.unless_failed(announcement, lambda: run_step(step, token_ids, announcement))
-            answer = self.relay(onward, relay_to[0], out, kv, time_left_s(), announcement)
-            if not answer.HasField("samples"):
-                raise RelayError(grpc.StatusCode.INTERNAL, f"relay to {relay_to[0]}: step {k} came back without "
-                                 "samples (several decode steps need the chain to reach the last station)")
-            ids = sampled_token_ids(answer.samples, n_entries=len(entries), vocab_size=vocab_size)
-            token_ids = torch.tensor(ids, dtype=torch.long)  # [K]
-            yield answer
 
     def close(self) -> None:
         """Close every channel."""

@@ -14,7 +14,9 @@ host, a connection's rows go through a shared-memory segment the caller offers (
 still over the socket. One connection carries one call at a time (a caller takes an idle connection of its pool or
 opens one), so a reply always answers the connection's last request. A relaying station may announce its
 successor's request before its own step and send the rows after it (ANNOUNCE, then ROWS): the successor decodes
-the entries while the rows are computed, not in the moment when every station of a busy chain hands its wave on.
+the entries while the rows are computed, not in the moment when every station of a busy chain hands its wave on. A
+several-step decode wave may open a steps session on a connection (STEPS, then STEP frames of rows alone, answered
+STEP_REPLY: station.steps_session).
 The station serves each connection on a thread of its own, at most `max_connections` at once. A frame that cannot
 be trusted (bad magic or version, over the size limit, out of order) is answered with an ERROR and the connection
 closed; a body that does not parse is answered with INVALID_ARGUMENT and the connection goes on; a wrong token gets
@@ -36,10 +38,11 @@ from google.protobuf.message import DecodeError
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.transport import StationTls, check_token
 from station.interceptors import WireBytes
-from station.link_frames import (ANNOUNCE, ERROR, FEATURES, HANDSHAKE_TIMEOUT_S, HELLO, IN_SEGMENT, REPLY, REQUEST,
-                                 REQUEST_SHM, ROWS, ROWS_SHM, SHM, LinkError, RowsBuffer, frame, read_frame, send_frame,
-                                 tls_context)
+from station.link_frames import (ANNOUNCE, ANNOUNCES, ERROR, FEATURES, HANDSHAKE_TIMEOUT_S, HELLO, IN_SEGMENT, REPLY, REQUEST,
+                                 REQUEST_SHM, ROWS, ROWS_SHM, SHM, STEP, STEP_INDEX, STEP_REPLY, STEP_SHM, STEPS,
+                                 LinkError, RowsBuffer, frame, read_frame, send_frame, tls_context)
 from station.link_shm import RowsSegment
+from station.steps_session import OpenSteps, RefusedSession, Session
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ Answer = Callable[[pb.ForwardRequest, Callable[[], float | None], bytearray | me
 # what the station makes of an announced request before its rows come (its entries decoded; None: nothing, Answer
 # then decodes it and names what is wrong)
 Prepare = Callable[[pb.ForwardRequest], object]
+STEP_KINDS = (STEP, STEP_SHM)
 
 
 @dataclass(slots=True)
@@ -67,12 +71,15 @@ class RelayLinkServer:
 
     def __init__(self, host: str, answer: Answer, *, token: str | None, tls: StationTls | None,
                  max_message_bytes: int, wire: WireBytes, max_connections: int = 32,
-                 prepare: Prepare | None = None) -> None:
+                 prepare: Prepare | None = None, open_steps: OpenSteps | None = None) -> None:
         """`answer(request, time_remaining, rows, prepared)`: the station's Forward; `prepare(request)`: its work on
-        an announced request before the rows come (None: the station takes no announcements); `wire`: where request
-        ("in") and reply ("out") bytes are counted, as the gRPC Forward counts them."""
+        an announced request before the rows come (None: the station takes no announcements); `open_steps(request)`:
+        a steps session for a STEPS frame (station.steps_session; None: the station takes none, and then neither
+        announcements); `wire`: where request ("in") and reply ("out") bytes are counted, as the gRPC Forward counts
+        them."""
         self._answer = answer
         self._prepare = prepare
+        self._steps_opener = open_steps if prepare is not None else None
         self._token = check_token(token).encode() if token is not None else b""
         self._ssl = tls_context(tls, server=True) if tls is not None else None
         self._max_body = max_message_bytes
@@ -85,8 +92,9 @@ class RelayLinkServer:
         self.port = self._listener.getsockname()[1]
         self._stopped = False
         self.requests = 0  # REQUEST frames received (read by tests and benchmarks)
-        self.shm_requests = 0  # of them, those whose rows came through a shared-memory segment
+        self.shm_requests = 0  # of them and of the session steps, those whose rows came through a shared-memory segment
         self.announced = 0  # of them, those announced before their rows (ANNOUNCE, then ROWS or ROWS_SHM)
+        self.session_steps = 0  # steps answered inside steps sessions (STEP or STEP_SHM frames)
         threading.Thread(target=self._accept_loop, name="relay-link-accept", daemon=True).start()
 
     def _accept_loop(self) -> None:
@@ -114,7 +122,7 @@ class RelayLinkServer:
         conn.close()
 
     def _serve_connection(self, raw: socket.socket) -> None:
-        conn, segment = raw, None
+        conn, segment, session = raw, None, None
         with self._lock:
             self._open.add(raw)
         try:
@@ -129,6 +137,7 @@ class RelayLinkServer:
                 return
             rows_buffer = RowsBuffer()  # one request at a time on a connection: its rows are done with by the next
             announced: _Announced | None = None  # an ANNOUNCE waiting for its rows (the only frame taken next)
+            # `session`: the connection's steps session (Session), ended by a frame of another kind
             while not self._stopped:
                 conn.settimeout(None)
                 try:
@@ -140,10 +149,22 @@ class RelayLinkServer:
                 if got is None:
                     return  # an announced request whose rows never came is dropped with its connection
                 kind, _, seconds, body, rows = got
-                if (problem := self._out_of_order(kind, rows, announced)) is not None:
+                if (problem := self._out_of_order(kind, rows, announced, session)) is not None:
                     self._refuse(conn, grpc.StatusCode.INVALID_ARGUMENT, f"relay link: {problem}")
                     return
-                if kind == SHM:
+                if kind in STEP_KINDS:
+                    with self._lock:
+                        self.session_steps += 1
+                        self.shm_requests += kind == STEP_SHM
+                    session = self._step(conn, session, body, rows, seconds)
+                    continue
+                if session is not None:  # any other frame ends the session
+                    session.close()
+                    session = None
+                if kind == STEPS:
+                    self._wire.add("in", len(body))
+                    session = self._session(body, seconds)
+                elif kind == SHM:
                     segment = self._accept_segment(conn, body, segment)
                 elif kind == ANNOUNCE:
                     announced = self._announce(body)  # parsed and prepared while its rows are computed
@@ -162,6 +183,8 @@ class RelayLinkServer:
             with self._lock:
                 self._open.discard(raw)
                 self._open.discard(conn)
+            if session is not None:
+                session.close()
             if segment is not None:
                 segment.close()
             conn.close()
@@ -181,7 +204,8 @@ class RelayLinkServer:
         if kind != HELLO or not hmac.compare_digest(bytes(body), self._token):
             self._refuse(conn, grpc.StatusCode.UNAUTHENTICATED, "relay link: missing or wrong cluster token")
             return False
-        conn.sendall(frame(REPLY, FEATURES if self._prepare is not None else b""))
+        features = FEATURES if self._steps_opener is not None else ANNOUNCES if self._prepare is not None else b""
+        conn.sendall(frame(REPLY, features))
         return True
 
     def _accept_segment(self, conn: socket.socket, offer: bytearray, held: RowsSegment | None) -> RowsSegment | None:
@@ -198,15 +222,46 @@ class RelayLinkServer:
         conn.sendall(frame(REPLY))
         return segment
 
-    def _out_of_order(self, kind: int, rows: bytearray | memoryview | None, announced: _Announced | None) -> str | None:
+    def _out_of_order(self, kind: int, rows: bytearray | memoryview | None, announced: _Announced | None,
+                      session: Session | None) -> str | None:
         """What is wrong with a frame of `kind` at this point of a connection (None: it may come now)."""
         if announced is not None:
             if kind not in (ROWS, ROWS_SHM):
                 return f"frame kind {kind} where the announced request's rows were expected"
             return None
-        if kind == ANNOUNCE and self._prepare is not None:
-            return None if rows is None else "an ANNOUNCE frame carries no rows"
+        if (kind == ANNOUNCE and self._prepare is not None) or (kind == STEPS and self._steps_opener is not None):
+            return None if rows is None else f"a frame of kind {kind} carries no rows"
+        if kind in STEP_KINDS:
+            return None if session is not None else "a STEP frame outside a steps session"
         return None if kind in (SHM, REQUEST, REQUEST_SHM) else f"frame kind {kind} where a request was expected"
+
+    def _session(self, body: bytearray, seconds: float) -> Session:
+        """A STEPS frame's session (one that does not parse or check answers its first step with the error)."""
+        try:
+            request = pb.ForwardRequest.FromString(body)
+        except DecodeError as err:
+            return RefusedSession(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"steps: not a valid protobuf message: {type(err).__name__}: {err}")
+        return self._steps_opener(request, seconds if seconds > 0 else None)
+
+    def _step(self, conn: socket.socket, session: Session, body: bytearray, rows: bytearray | memoryview | None,
+              seconds: float) -> Session | None:
+        """Answer one STEP of `session`: STEP_REPLY, or an ERROR that ends the session (None then returned)."""
+        self._wire.add("in", len(body) + (len(rows) if rows is not None else 0))
+        deadline = time.monotonic() + seconds if seconds > 0 else None
+        outcome = (session.step(STEP_INDEX.unpack(body)[0], rows,
+                                lambda: None if deadline is None else deadline - time.monotonic())
+                   if len(body) == STEP_INDEX.size else
+                   (grpc.StatusCode.INVALID_ARGUMENT, f"step: a {len(body)}-byte index, expected {STEP_INDEX.size}"))
+        if isinstance(outcome, tuple):
+            code, message = outcome
+            conn.sendall(frame(ERROR, message.encode(errors="replace"), status=code.value[0]))
+            session.close()
+            return None
+        self._wire.add("out", len(outcome))
+        conn.sendall(frame(STEP_REPLY, outcome))
+        session.ahead()
+        return session
 
     def _announce(self, body: bytearray) -> _Announced:
         """An ANNOUNCE's request, parsed and prepared (a body that does not parse is answered once its rows come)."""

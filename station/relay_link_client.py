@@ -1,7 +1,8 @@
 """The client side of a relay link (station.relay_link): a station's calls to its successor's link, over a pool of
 connections, each with a shared-memory segment for its rows where the successor shares this host (station.link_shm).
-A call is one request and its answer (`forward`), or a request announced before its rows exist (`announce`, then
-`complete` with the rows or `abandon`).
+A call is one request and its answer (`forward`), a request announced before its rows exist (`announce`, then
+`complete` with the rows or `abandon`), or a steps session over one connection (`open_steps`, then a StepsCall's
+`step` for each decode step's rows).
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -17,9 +19,11 @@ from google.protobuf.message import DecodeError
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.transport import StationTls
 from station.interceptors import WireBytes
-from station.link_frames import (ANNOUNCE, CODES, ERROR, FEATURES, HELLO, REPLY, REQUEST, REQUEST_SHM, ROWS, ROWS_SHM,
-                                 SHM, LinkError, frame, read_frame, send_frame, tls_context)
+from station.link_frames import (ANNOUNCE, ANNOUNCES, CODES, ERROR, HELLO, REPLY, REQUEST, REQUEST_SHM, ROWS, ROWS_SHM,
+                                 SESSIONS, SHM, STEP, STEP_INDEX, STEP_REPLY, STEP_SHM, STEPS, LinkError, frame,
+                                 read_frame, send_frame, tls_context)
 from station.link_shm import RowsSegment
+from station.step_answers import StepAnswer, unpack_step_answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,22 @@ class Announced:
     def rows_space(self, nbytes: int) -> memoryview | None:
         """Where the request's `nbytes` of rows may be put before `complete`: the connection's shared-memory
         segment, where they fit (rows written there cross the hop without a copy into it); None: no such place."""
+        return self.segment.rows(nbytes) if self.segment is not None and nbytes <= self.segment.size else None
+
+
+@dataclass(frozen=True, slots=True)
+class StepsCall:
+    """An open steps session (RelayLinkClient.open_steps): the connection it holds, its rows' segment, and what its
+    answers are checked against. `client.step` runs each step; `client.finish` or `client.abandon` ends it."""
+
+    client: RelayLinkClient
+    conn: socket.socket
+    segment: RowsSegment | None
+    n_entries: int
+    vocab_size: int
+
+    def rows_space(self, nbytes: int) -> memoryview | None:
+        """Where a step's `nbytes` of rows may be put before `client.step` (as Announced.rows_space)."""
         return self.segment.rows(nbytes) if self.segment is not None and nbytes <= self.segment.size else None
 
 
@@ -58,7 +78,7 @@ class RelayLinkClient:
         self._idle: list[tuple[socket.socket, RowsSegment | None]] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._announces = False  # the station takes ANNOUNCE frames (its REPLY to HELLO says so)
+        self._features: frozenset[bytes] = frozenset()  # what the station speaks beyond REQUEST (its REPLY to HELLO)
 
     def _connect(self, deadline: float) -> tuple[socket.socket, RowsSegment | None]:
         """A new connection, past HELLO, and the shared-memory segment its station accepted (None: rows by TCP)."""
@@ -81,7 +101,7 @@ class RelayLinkClient:
             if self._ssl is not None:
                 conn = self._ssl.wrap_socket(conn, server_hostname=self._server_name)
             conn.sendall(self._hello)
-            self._announces = FEATURES in bytes(self._expect_reply(conn, deadline)).split(b",")
+            self._features = frozenset(bytes(self._expect_reply(conn, deadline)).split(b","))
             return conn
         except BaseException:
             conn.close()
@@ -113,14 +133,14 @@ class RelayLinkClient:
             except OSError:  # already gone: nothing to leave behind
                 pass
 
-    def _expect_reply(self, conn: socket.socket, deadline: float) -> bytearray:
+    def _expect_reply(self, conn: socket.socket, deadline: float, expected: int = REPLY) -> bytearray:
         got = read_frame(conn, self._max_body, deadline)
         if got is None:
             raise ConnectionError("the station closed the connection without answering")
         kind, status, _, body, _ = got
         if kind == ERROR:
             raise LinkError(CODES.get(status, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
-        if kind != REPLY:
+        if kind != expected:
             raise LinkError(grpc.StatusCode.INTERNAL, f"relay link: frame kind {kind} where a reply was expected")
         return body
 
@@ -147,7 +167,7 @@ class RelayLinkClient:
         conn = segment = None
         try:
             conn, segment = self._take(deadline)
-            if not self._announces:
+            if ANNOUNCES not in self._features:
                 self._give_back(conn, segment)
                 return None
             data = request.SerializeToString()
@@ -167,10 +187,61 @@ class RelayLinkClient:
         except (LinkError, OSError, ValueError, DecodeError) as err:
             raise self._failed(conn, segment, err) from None
 
-    def abandon(self, announced: Announced) -> None:
-        """The rows of an announced request will not come (this station's step failed): close its connection, so
-        that the station drops the request."""
+    def open_steps(self, request: pb.ForwardRequest, timeout_s: float, *, n_entries: int, vocab_size: int
+                   ) -> StepsCall | None:
+        """Open a steps session for a several-step wave (`request`: its entries as of its first step, its steps, the
+        relay list after the station; no payload), over one connection it holds until `finish` or `abandon`. None
+        where the station takes no sessions (an earlier build); LinkError as `forward`."""
+        deadline = time.monotonic() + timeout_s
+        conn = segment = None
+        try:
+            conn, segment = self._take(deadline)
+            if SESSIONS not in self._features:
+                self._give_back(conn, segment)
+                return None
+            data = request.SerializeToString()
+            conn.sendall(frame(STEPS, data, seconds=max(1e-3, deadline - time.monotonic())))
+            self._wire.add("out", len(data))
+            return StepsCall(self, conn, segment, n_entries, vocab_size)
+        except (LinkError, OSError, ValueError) as err:
+            raise self._failed(conn, segment, err) from None
+
+    def step(self, call: StepsCall, k: int, rows: memoryview, timeout_s: float,
+             meanwhile: Callable[[], object] | None = None) -> StepAnswer:
+        """Step `k` of an open session: its rows to the station, its answer back (checked; `meanwhile()` runs while
+        the station computes); LinkError as `forward`, WireError for an answer that does not check (the session's
+        connection closed after either)."""
+        deadline = time.monotonic() + timeout_s
+        conn, segment = call.conn, call.segment
+        try:
+            seconds = max(1e-3, timeout_s)
+            if segment is not None and rows.nbytes <= segment.size:
+                segment.write(rows)
+                conn.sendall(frame(STEP_SHM, STEP_INDEX.pack(k), seconds=seconds, rows_length=rows.nbytes))
+            else:
+                send_frame(conn, STEP, STEP_INDEX.pack(k), rows=rows, seconds=seconds)
+            self._wire.add("out", STEP_INDEX.size + rows.nbytes)
+            if meanwhile is not None:
+                meanwhile()
+            body = self._expect_reply(conn, deadline, STEP_REPLY)
+        except (LinkError, OSError, ValueError) as err:
+            raise self._failed(conn, segment, err) from None
+        self._wire.add("in", len(body))
+        try:
+            return unpack_step_answer(body, n_entries=call.n_entries, vocab_size=call.vocab_size)
+        except ValueError:
+            self._close(conn, segment)
+            raise
+
+    def abandon(self, announced: Announced | StepsCall) -> None:
+        """The rows of an announced request, or a session's next step, will not come (this station's step failed):
+        close its connection, so that the station drops the request."""
         self._close(announced.conn, announced.segment)
+
+    def finish(self, call: StepsCall) -> None:
+        """A session whose last answered step is its last: its connection back to the pool (the station ends the
+        session at the connection's next frame)."""
+        self._give_back(call.conn, call.segment)
 
     def _take(self, deadline: float) -> tuple[socket.socket, RowsSegment | None]:
         """An idle connection of the pool, or a new one."""

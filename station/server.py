@@ -124,7 +124,8 @@ def start_server(station: Station, host: str = "127.0.0.1", port: int = 0, limit
     link = None  # bound after gRPC's port, so a failed bind leaves nothing listening
     if relay_link:
         try:
-            link = RelayLinkServer(host, servicer.forward_answer, prepare=servicer.prepare_forward, token=token,
+            link = RelayLinkServer(host, servicer.forward_answer, prepare=servicer.prepare_forward,
+                                   open_steps=servicer.open_steps, token=token,
                                    tls=tls, max_message_bytes=size, wire=wire)
         except OSError as err:
             raise OSError(f"station relay link: cannot bind {host}: {err}") from err

@@ -36,11 +36,14 @@ from mesh.core.wire_kv import decode_export, decode_import
 from station.interceptors import WireBytes
 from station.kv import KVBudgetError
 from station.relay import RelayError, Successors, onward_request
-from station.relay_link_client import Announced
+from station.relay_link_client import Announced, StepsCall
+from station.relay_steps import relay_step_replies
 from station.server_limits import ServerLimits
 from station.station_lock import StationBusy, StationLock
 from station.step import Station, StepError
-from station.step_replies import RunningSteps, chunked_replies, local_step_replies
+from station.step_hops import open_step_hop
+from station.step_replies import RunningSteps, local_step_replies
+from station.steps_session import RefusedSession, Session, StepsSession
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +118,9 @@ class StationServicer(station_pb2_grpc.StationServicer):
         if (problem := decode_steps_problem(entries, steps, bt)) is not None:
             raise WireError(problem)
         if relay_to:
-            return self.running_steps.run(request.wave_id, lambda ended: chunked_replies(
-                self.successors.relay_step_replies(request.wave_id, entries, token_ids, steps, relay_to,
-                                                   self._one_step, time_remaining, block_tokens=bt,
-                                                   vocab_size=st.config.vocab_size, ended=ended), per_reply))
+            return self.running_steps.run(request.wave_id, lambda ended: relay_step_replies(
+                self.successors, request.wave_id, entries, token_ids, steps, relay_to, self._one_step,
+                time_remaining, block_tokens=bt, vocab_size=st.config.vocab_size, per_reply=per_reply, ended=ended))
         return self.running_steps.run(request.wave_id, lambda ended: local_step_replies(
             self._steps_chunk, entries, token_ids, steps, per_reply, bt, ended))
 
@@ -140,6 +142,25 @@ class StationServicer(station_pb2_grpc.StationServicer):
             return decode_entries(request, max_entries=self.limits.max_entries, max_rows=self.limits.max_rows)
         except WireError:
             return None
+
+    def open_steps(self, request: pb.ForwardRequest, time_left_s: float | None) -> Session:
+        """A steps session for a relay link's STEPS request (station.steps_session), checked now: one that does not
+        check answers its first step with the reason."""
+        st = self.station
+        try:
+            entries = decode_entries(request, max_entries=self.limits.max_entries, max_rows=self.limits.max_rows)
+            relay_to, steps, bt = self._relay_list(request), decode_steps(request), self._block_tokens()
+            if request.WhichOneof("payload") is not None or st.spec.start == 0:
+                raise WireError("steps: a session takes hidden rows step by step, at a station after the first; "
+                                "its STEPS request carries no payload")
+            if (problem := decode_steps_problem(entries, steps, bt)) is not None:
+                raise WireError(problem)
+            hop = (open_step_hop(self.successors, request.wave_id, entries, steps, relay_to, time_left_s,
+                                 st.config.vocab_size) if relay_to else None)
+        except Exception as err:  # noqa: BLE001 - failure_status maps every class, a bug to INTERNAL
+            return RefusedSession(*failure_status(err, "Steps"))
+        return StepsSession(entries, steps, bt, hidden_size=st.config.hidden_size, dtype=st.spec.dtype,
+                            run=self._session_step, failure=lambda err: failure_status(err, "Steps"), hop=hop)
 
     def forward_answer(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None],
                        hidden_data: bytearray | memoryview | None = None, entries: tuple[WaveEntry, ...] | None = None
@@ -170,23 +191,31 @@ class StationServicer(station_pb2_grpc.StationServicer):
             if token_ids is None:
                 raise WireError("steps: several decode steps through a relay chain start at its first station "
                                 "(token ids in)")
-            return self.successors.relay_steps(
-                request.wave_id, entries, token_ids, steps, relay_to, self._one_step, time_remaining,
-                block_tokens=self._block_tokens(), vocab_size=st.config.vocab_size)
+            (reply,) = relay_step_replies(self.successors, request.wave_id, entries, token_ids, steps, relay_to,
+                                          self._one_step, time_remaining, block_tokens=self._block_tokens(),
+                                          vocab_size=st.config.vocab_size, per_reply=steps)
+            return reply
         if relay_to:  # the successor decodes the onward request while this station computes the rows
-            onward = onward_request(request)
-            announced = self.successors.announce(onward, relay_to[0], time_remaining())
-            rows_out = self._rows_out(announced, entries)
-            out, kv = self.successors.unless_failed(announced, lambda: self.lock.run(
-                lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, rows_out=rows_out)))
-            # outside the station lock: the next wave computes while the successors run this one
-            return self.successors.relay(onward, relay_to[0], out, kv, time_remaining(), announced)
+            return self._relayed_step(onward_request(request), entries, token_ids, hidden, relay_to, time_remaining)()
         out, kv = self.lock.run(lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps))
         if out.hidden is not None:
             reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv)
             tensor_to_proto(out.hidden, into=reply.hidden)
             return reply
         return pb.ForwardReply(samples=samples_to_proto(out.samples or []), forward_seconds=out.seconds, kv=kv)
+
+    def _relayed_step(self, onward: pb.ForwardRequest, entries: tuple[WaveEntry, ...],
+                      token_ids: torch.Tensor | None, hidden: torch.Tensor | None, relay_to: tuple[str, ...],
+                      time_remaining: Callable[[], float | None]) -> Callable[[], pb.ForwardReply]:
+        """This station's step on a wave whose rows go on through `relay_to` (`onward`: the request the successor
+        gets, announced to it before the step where its link takes announcements), and the relay of those rows, to be
+        called outside the station lock (the next wave computes meanwhile): its reply."""
+        st = self.station
+        announced = self.successors.announce(onward, relay_to[0], time_remaining())
+        rows_out = self._rows_out(announced, entries)
+        out, kv = self.successors.unless_failed(announced, lambda: self.lock.run(
+            lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, rows_out=rows_out)))
+        return lambda: self.successors.relay(onward, relay_to[0], out, kv, time_remaining(), announced)
 
     @property
     def wire_bytes(self) -> dict[str, int]:
@@ -205,14 +234,22 @@ class StationServicer(station_pb2_grpc.StationServicer):
         st = self.station
         return self.lock.run(lambda: st.forward(entries, token_ids=token_ids, steps=steps))
 
-    def _one_step(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, announced: Announced | None
+    def _one_step(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, space: Announced | StepsCall | None
                   ) -> tuple[StationOutput, pb.KVUsage]:
         """One step of a several-step relayed wave, under the station lock (released between steps, so other
-        waves compute while this one's rows travel); its rows where `announced` has room for them."""
-        st, rows_out = self.station, self._rows_out(announced, entries)
+        waves compute while this one's rows travel); its rows where `space` has room for them."""
+        st, rows_out = self.station, self._rows_out(space, entries)
         return self.lock.run(lambda: st.forward(entries, token_ids=token_ids, rows_out=rows_out))
 
-    def _rows_out(self, announced: Announced | None, entries: tuple[WaveEntry, ...]) -> torch.Tensor | None:
+    def _session_step(self, entries: tuple[WaveEntry, ...], hidden: torch.Tensor,
+                      space: Announced | StepsCall | None) -> tuple[StationOutput, pb.KVUsage]:
+        """One step of a steps session (station.steps_session) under the station lock; its rows where `space` has
+        room for them."""
+        st, rows_out = self.station, self._rows_out(space, entries)
+        return self.lock.run(lambda: st.forward(entries, hidden=hidden, rows_out=rows_out))
+
+    def _rows_out(self, announced: Announced | StepsCall | None, entries: tuple[WaveEntry, ...]
+                  ) -> torch.Tensor | None:
         """Where this relaying station's step puts its rows [T, d]: in the successor's shared-memory segment that
         `announced` holds, where they fit, so that they cross the hop without a copy into it (a GPU station's copy
         to the host lands there); None: the link copies them."""

@@ -56,8 +56,8 @@ def _samples(body: bytes) -> list[int]:
 
 def test_a_chain_on_one_host_relays_its_rows_through_shared_memory(tiny_llama, reference, monkeypatch):
     """Three stations on this host: with shared memory (the default) every relayed hop's rows went through it, put
-    there by the relaying station's step itself (never copied in after); by TCP none did; the tokens are one
-    station's both ways, and no segment's name is left behind."""
+    there by the relaying station's step itself (never copied in after), whole requests' and steps sessions' alike;
+    by TCP none did; the tokens are one station's both ways, and no segment's name is left behind."""
     prompts, params, ref = reference
     held: list[bool] = []  # for each write of rows into a segment: were they there already
     holds = RowsSegment.holds
@@ -69,8 +69,10 @@ def test_a_chain_on_one_host_relays_its_rows_through_shared_memory(tiny_llama, r
             assert _run(tiny_llama, servers, "direct", prompts, params)[0] == ref
             links = [s.relay_link for s in servers[1:]]
             assert all(link.requests > 0 and link.announced == link.requests for link in links)  # test_link_announce
-            assert [link.shm_requests for link in links] == [link.requests if shm else 0 for link in links]
-            assert len(held) == (sum(link.requests for link in links) if shm else 0) and all(held)
+            assert all(link.session_steps > 0 for link in links)  # the decode steps went in sessions
+            hops = [link.requests + link.session_steps for link in links]
+            assert [link.shm_requests for link in links] == [n if shm else 0 for n in hops]
+            assert len(held) == (sum(hops) if shm else 0) and all(held)
             held.clear()
             assert _segments_left() == []
         finally:
