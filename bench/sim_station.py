@@ -105,7 +105,7 @@ class SimulatedStation:
 
     def __init__(self, model: SimModel, layers: tuple[int, int], kv_blocks: int = 1 << 20) -> None:
         self.sim = model
-        self.spec = StationSpec(layers=layers, dtype=model.dtype)
+        self.spec = StationSpec(layers=layers, dtype=model.dtype, relay_part_rows=0)  # a GPU model: whole waves
         self.config = SimpleNamespace(hidden_size=model.hidden_size, vocab_size=model.vocab_size,
                                       num_hidden_layers=model.num_layers,
                                       num_key_value_heads=0, head_dim=0)  # holds no KV: nothing to copy

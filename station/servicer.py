@@ -37,6 +37,7 @@ from station.interceptors import WireBytes
 from station.kv import KVBudgetError
 from station.relay import RelayError, Successors, onward_request
 from station.relay_link_client import Announced, StepsCall
+from station.relay_parts import part_bounds, relay_in_parts
 from station.relay_steps import relay_step_replies
 from station.server_limits import ServerLimits
 from station.station_lock import StationBusy, StationLock
@@ -195,6 +196,9 @@ class StationServicer(station_pb2_grpc.StationServicer):
                                           self._one_step, time_remaining, block_tokens=self._block_tokens(),
                                           vocab_size=st.config.vocab_size, per_reply=steps)
             return reply
+        if relay_to and len(parts := part_bounds(entries, st.spec.part_rows)) > 1:  # a large wave, part by part
+            return relay_in_parts(request.wave_id, entries, token_ids, hidden, relay_to, parts, lambda *part: (
+                self._relayed_step(*part, relay_to, time_remaining)))
         if relay_to:  # the successor decodes the onward request while this station computes the rows
             return self._relayed_step(onward_request(request), entries, token_ids, hidden, relay_to, time_remaining)()
         out, kv = self.lock.run(lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps))

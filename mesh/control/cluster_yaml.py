@@ -44,6 +44,7 @@ _KINDS = {  # kind: (check, what it expects)
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
     "opt_str": (lambda v: v is None or (isinstance(v, str) and v != ""), "a non-empty string or null"),
+    "opt_nonneg_int": (lambda v: v is None or (is_int(v) and v >= 0), "an integer >= 0 or null"),
 }
 _SCHEMA = {  # section: {key: kind}
     "ray": {"address": "opt_str", "namespace": "str"},
@@ -62,7 +63,7 @@ _SCHEMA = {  # section: {key: kind}
                 "tls_cert": "opt_str", "tls_key": "opt_str", "tls_ca": "opt_str"},
     "station": {"layers": "layers", "device": "str", "dtype": "str", "kv_bytes": "size",
                 "num_gpus": "nonneg_num", "num_cpus": "nonneg_num", "linear_backend": "str", "resources": "resources",
-                "cuda_graphs": "bool", "huge_pages": "bool"},
+                "cuda_graphs": "bool", "huge_pages": "bool", "relay_part_rows": "opt_nonneg_int"},
 }
 _TOP = ("ray", "model", "dtype", "device", "kv_bytes", "num_cpus", "stations", "scheduler", "api", "cluster")
 

@@ -198,6 +198,9 @@ class ModelConfig:
         return d
 
 
+CPU_PART_ROWS = 48  # StationSpec.relay_part_rows on a CPU (bench/out/core_quota_s51.txt part 3)
+
+
 @dataclass(frozen=True, slots=True)
 class StationSpec:
     """One station: a contiguous layer range [start, end) and where it runs."""
@@ -225,8 +228,14 @@ class StationSpec:
     # on a CPU, ask Linux for transparent huge pages (2 MiB) for the packed weights and the KV cache
     # (mesh.core.model.host_memory: decode faster where huge pages fault in fast); False: 4 KiB pages
     huge_pages: bool = True
+    # a relayed wave of at least twice this many rows goes on to the next station in parts of at least this many (up
+    # to 4), each the moment its rows exist (station.relay_parts); null: by device (48 on a CPU, whose prefill runs
+    # at full rate from there; on CUDA never, as a part re-reads every weight); 0: never
+    relay_part_rows: int | None = None
 
     def __post_init__(self) -> None:
+        _require(self.relay_part_rows is None or (is_int(self.relay_part_rows) and self.relay_part_rows >= 0),
+                 f"relay_part_rows: expected an integer >= 0 or null, got {self.relay_part_rows!r}")
         _require(isinstance(self.cuda_graphs, bool), f"cuda_graphs: expected true or false, got {self.cuda_graphs!r}")
         _require(isinstance(self.huge_pages, bool), f"huge_pages: expected true or false, got {self.huge_pages!r}")
         _require(isinstance(self.packed_cache, str), f"packed_cache: expected a directory path string, got "
@@ -256,6 +265,13 @@ class StationSpec:
             v = getattr(self, name)
             _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
                      f"{name}: expected a finite number >= 0, got {v!r}")
+
+    @property
+    def part_rows(self) -> int:
+        """The rows of a relayed wave's part at least (`relay_part_rows`, or the device's; 0: never cut)."""
+        if self.relay_part_rows is not None:
+            return self.relay_part_rows
+        return CPU_PART_ROWS if self.device == "cpu" else 0
 
     @property
     def start(self) -> int:
