@@ -163,16 +163,24 @@ class RelayLinkClient:
         """Send `request` now, its hidden rows later (`complete`, or `abandon` where they never come): for a station
         that announces its successor's message before its own step. None where this station does not take
         announcements (an earlier build); LinkError as `forward`."""
+        led = self._lead(ANNOUNCES, ANNOUNCE, request, timeout_s)
+        return None if led is None else Announced(self, *led)
+
+    def _lead(self, feature: bytes, kind: int, request: pb.ForwardRequest, timeout_s: float
+              ) -> tuple[socket.socket, RowsSegment | None, float, int] | None:
+        """Send `request` as the first frame (`kind`: ANNOUNCE, STEPS) of an exchange on a connection it then holds,
+        where the station speaks `feature`: (the connection, its segment, the deadline, the bytes sent); None where
+        it does not; LinkError as `forward`."""
         deadline = time.monotonic() + timeout_s
         conn = segment = None
         try:
             conn, segment = self._take(deadline)
-            if ANNOUNCES not in self._features:
+            if feature not in self._features:
                 self._give_back(conn, segment)
                 return None
             data = request.SerializeToString()
-            conn.sendall(frame(ANNOUNCE, data, seconds=max(1e-3, deadline - time.monotonic())))
-            return Announced(self, conn, segment, deadline, len(data))
+            conn.sendall(frame(kind, data, seconds=max(1e-3, deadline - time.monotonic())))
+            return conn, segment, deadline, len(data)
         except (LinkError, OSError, ValueError) as err:
             raise self._failed(conn, segment, err) from None
 
@@ -192,19 +200,12 @@ class RelayLinkClient:
         """Open a steps session for a several-step wave (`request`: its entries as of its first step, its steps, the
         relay list after the station; no payload), over one connection it holds until `finish` or `abandon`. None
         where the station takes no sessions (an earlier build); LinkError as `forward`."""
-        deadline = time.monotonic() + timeout_s
-        conn = segment = None
-        try:
-            conn, segment = self._take(deadline)
-            if SESSIONS not in self._features:
-                self._give_back(conn, segment)
-                return None
-            data = request.SerializeToString()
-            conn.sendall(frame(STEPS, data, seconds=max(1e-3, deadline - time.monotonic())))
-            self._wire.add("out", len(data))
-            return StepsCall(self, conn, segment, n_entries, vocab_size)
-        except (LinkError, OSError, ValueError) as err:
-            raise self._failed(conn, segment, err) from None
+        led = self._lead(SESSIONS, STEPS, request, timeout_s)
+        if led is None:
+            return None
+        conn, segment, _, sent = led
+        self._wire.add("out", sent)
+        return StepsCall(self, conn, segment, n_entries, vocab_size)
 
     def step(self, call: StepsCall, k: int, rows: memoryview, timeout_s: float,
              meanwhile: Callable[[], object] | None = None) -> StepAnswer:
