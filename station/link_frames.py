@@ -23,7 +23,7 @@ A frame is a fixed header and a body:
             announced request as a REQUEST (REPLY or ERROR). A client whose step fails after its ANNOUNCE closes the
             connection instead: the station drops the announced request unanswered
     ROWS_SHM  as ROWS, the rows in the segment
-    STEPS   client -> station: a ForwardRequest opening a steps session on the connection (station.steps_link): a
+    STEPS   client -> station: a ForwardRequest opening a steps session on the connection (station.steps_session): a
             several-step decode wave's entries as of its first step, its `steps` and the relay list after the
             station; no payload and no answer. It ends any session the connection had
     STEP    client -> station, inside a session: one step's hidden rows, the body the step's index (STEP_INDEX); the

@@ -38,9 +38,9 @@ from google.protobuf.message import DecodeError
 from mesh.core.proto import station_pb2 as pb
 from mesh.core.transport import StationTls, check_token
 from station.interceptors import WireBytes
-from station.link_frames import (ANNOUNCE, ANNOUNCES, ERROR, FEATURES, HANDSHAKE_TIMEOUT_S, HELLO, IN_SEGMENT, REPLY, REQUEST,
-                                 REQUEST_SHM, ROWS, ROWS_SHM, SHM, STEP, STEP_INDEX, STEP_REPLY, STEP_SHM, STEPS,
-                                 LinkError, RowsBuffer, frame, read_frame, send_frame, tls_context)
+from station.link_frames import (ANNOUNCE, ANNOUNCES, ERROR, FEATURES, HANDSHAKE_TIMEOUT_S, HELLO, IN_SEGMENT, REPLY,
+                                 REQUEST, REQUEST_SHM, ROWS, ROWS_SHM, SHM, STEP, STEP_INDEX, STEP_REPLY, STEP_SHM,
+                                 STEPS, LinkError, RowsBuffer, frame, read_frame, send_frame, tls_context)
 from station.link_shm import RowsSegment
 from station.steps_session import OpenSteps, RefusedSession, Session
 
@@ -73,10 +73,10 @@ class RelayLinkServer:
                  max_message_bytes: int, wire: WireBytes, max_connections: int = 32,
                  prepare: Prepare | None = None, open_steps: OpenSteps | None = None) -> None:
         """`answer(request, time_remaining, rows, prepared)`: the station's Forward; `prepare(request)`: its work on
-        an announced request before the rows come (None: the station takes no announcements); `open_steps(request)`:
-        a steps session for a STEPS frame (station.steps_session; None: the station takes none, and then neither
-        announcements); `wire`: where request ("in") and reply ("out") bytes are counted, as the gRPC Forward counts
-        them."""
+        an announced request before the rows come (None: the station takes no announcements); `open_steps(request,
+        seconds left)`: a steps session for a STEPS frame (station.steps_session; None, or no `prepare`: the station
+        takes no sessions); `wire`: where request ("in") and reply ("out") bytes are counted, as the gRPC Forward
+        counts them."""
         self._answer = answer
         self._prepare = prepare
         self._steps_opener = open_steps if prepare is not None else None
@@ -92,7 +92,7 @@ class RelayLinkServer:
         self.port = self._listener.getsockname()[1]
         self._stopped = False
         self.requests = 0  # REQUEST frames received (read by tests and benchmarks)
-        self.shm_requests = 0  # of them and of the session steps, those whose rows came through a shared-memory segment
+        self.shm_requests = 0  # of them and of the session steps, those whose rows came through shared memory
         self.announced = 0  # of them, those announced before their rows (ANNOUNCE, then ROWS or ROWS_SHM)
         self.session_steps = 0  # steps answered inside steps sessions (STEP or STEP_SHM frames)
         threading.Thread(target=self._accept_loop, name="relay-link-accept", daemon=True).start()

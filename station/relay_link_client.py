@@ -25,6 +25,13 @@ from station.link_frames import (ANNOUNCE, ANNOUNCES, CODES, ERROR, HELLO, REPLY
 from station.link_shm import RowsSegment
 from station.step_answers import StepAnswer, unpack_step_answer
 
+IN_SEGMENT_KIND = {REQUEST: REQUEST_SHM, ROWS: ROWS_SHM, STEP: STEP_SHM}  # a frame's kind with its rows in the segment
+
+
+def segment_space(segment: RowsSegment | None, nbytes: int) -> memoryview | None:
+    """The first `nbytes` of a connection's segment where it has one and they fit, else None."""
+    return segment.rows(nbytes) if segment is not None and nbytes <= segment.size else None
+
 
 @dataclass(frozen=True, slots=True)
 class Announced:
@@ -40,7 +47,7 @@ class Announced:
     def rows_space(self, nbytes: int) -> memoryview | None:
         """Where the request's `nbytes` of rows may be put before `complete`: the connection's shared-memory
         segment, where they fit (rows written there cross the hop without a copy into it); None: no such place."""
-        return self.segment.rows(nbytes) if self.segment is not None and nbytes <= self.segment.size else None
+        return segment_space(self.segment, nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +63,7 @@ class StepsCall:
 
     def rows_space(self, nbytes: int) -> memoryview | None:
         """Where a step's `nbytes` of rows may be put before `client.step` (as Announced.rows_space)."""
-        return self.segment.rows(nbytes) if self.segment is not None and nbytes <= self.segment.size else None
+        return segment_space(self.segment, nbytes)
 
 
 class RelayLinkClient:
@@ -215,12 +222,7 @@ class RelayLinkClient:
         deadline = time.monotonic() + timeout_s
         conn, segment = call.conn, call.segment
         try:
-            seconds = max(1e-3, timeout_s)
-            if segment is not None and rows.nbytes <= segment.size:
-                segment.write(rows)
-                conn.sendall(frame(STEP_SHM, STEP_INDEX.pack(k), seconds=seconds, rows_length=rows.nbytes))
-            else:
-                send_frame(conn, STEP, STEP_INDEX.pack(k), rows=rows, seconds=seconds)
+            self._send(conn, segment, STEP, STEP_INDEX.pack(k), rows, deadline)
             self._wire.add("out", STEP_INDEX.size + rows.nbytes)
             if meanwhile is not None:
                 meanwhile()
@@ -256,13 +258,12 @@ class RelayLinkClient:
     @staticmethod
     def _send(conn: socket.socket, segment: RowsSegment | None, kind: int, body: bytes, rows: memoryview | None,
               deadline: float) -> None:
-        """Send a REQUEST or ROWS frame: its rows through the segment where they fit (REQUEST_SHM, ROWS_SHM; written
-        there unless a step put them there already, `Announced.rows_space`), else in the stream."""
+        """Send a REQUEST, ROWS or STEP frame: its rows through the segment where they fit (REQUEST_SHM, ROWS_SHM,
+        STEP_SHM; written there unless a step put them there already, `Announced.rows_space`), else in the stream."""
         seconds = max(1e-3, deadline - time.monotonic())
         if segment is not None and rows is not None and rows.nbytes <= segment.size:
             segment.write(rows)
-            conn.sendall(frame(REQUEST_SHM if kind == REQUEST else ROWS_SHM, body, seconds=seconds,
-                               rows_length=rows.nbytes))
+            conn.sendall(frame(IN_SEGMENT_KIND[kind], body, seconds=seconds, rows_length=rows.nbytes))
         else:
             send_frame(conn, kind, body, rows=rows, seconds=seconds)
 

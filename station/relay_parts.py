@@ -3,11 +3,11 @@
 Why: a station relays a wave's rows only once its step over the whole wave is done, so on a chain of stations the
 next one idles through the first one's whole step. For a decode wave that is the pipeline's order (the other wave
 in flight fills it); for a burst's prompt waves it is not: on the bench preset split [0, 8) / [8, 12) over two
-1-core stations, the second station's 256-row prompt wave ran ~140 ms while the first, its prompts done and its first
-decode step relayed, idled ~130 ms waiting for it (bench/out/core_quota_s51.txt). Cut into parts, the successor starts
-on the first part while this station computes the next, and the last part it waits for is shorter. Each part is a
-whole wave of its entries (a row's result never depends on the rest of its wave, so the tokens are the same), its
-own announcement and relay; the replies are merged into the one the caller expects.
+1-core stations, the second station's last 226-256-row prompt wave ran 104-142 ms while the first, its prompts done
+and its first decode step relayed, idled ~100 ms waiting for it (bench/out/core_quota_s51.txt part 3). Cut into parts,
+the successor starts on the first part while this station computes the next, and the last part it waits for is shorter.
+Each part is a whole wave of its entries (a row's result never depends on the rest of its wave, so the tokens are the
+same), its own announcement and relay; the replies are merged into the one the caller expects.
 
 Only waves of at least twice a station's `relay_part_rows` are cut (mesh.core.config.StationSpec; a part re-reads
 every weight, which a prompt wave's rows amortize on a CPU from ~48 rows on and a decode wave's do not; on CUDA a
@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from concurrent.futures import Future, wait
+from itertools import accumulate
+from typing import TypeVar
 
 import torch
 
 from mesh.core.proto import station_pb2 as pb
-from mesh.core.wave import WaveEntry
+from mesh.core.wave import WaveEntry, wave_rows
 from mesh.core.wire import entries_to_proto
 
 _R = TypeVar("_R")
@@ -38,7 +40,7 @@ def part_bounds(entries: tuple[WaveEntry, ...], min_rows: int, max_parts: int | 
     `max_parts` (MAX_PARTS), each cut at the first entry boundary past its share of the rows that leaves at least
     `min_rows` after it."""
     max_parts = MAX_PARTS if max_parts is None else max_parts
-    rows = sum(e.n_tokens for e in entries)
+    rows = wave_rows(entries)
     n = min(max_parts, rows // min_rows, len(entries)) if min_rows > 0 else 1
     if n <= 1:
         return [(0, len(entries))]
@@ -52,32 +54,18 @@ def part_bounds(entries: tuple[WaveEntry, ...], min_rows: int, max_parts: int | 
     return bounds
 
 
-class Beside(Generic[_R]):
-    """fn() on a thread of its own; `result()` waits for it and returns or raises what it did."""
+def beside(fn: Callable[[], _R]) -> Future[_R]:
+    """fn() on a thread of its own, its outcome in the Future returned (a daemon thread: a relay that hangs holds no
+    exit; its deadline ends it)."""
+    done: Future[_R] = Future()
 
-    def __init__(self, fn: Callable[[], _R]) -> None:
-        self._fn = fn
-        self._result: _R | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="relay-part", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
+    def run() -> None:
         try:
-            self._result = self._fn()
+            done.set_result(fn())
         except BaseException as err:  # noqa: BLE001 - handed to the caller of result()
-            self._error = err
-
-    def join(self) -> None:
-        """Wait for fn() to end."""
-        self._thread.join()
-
-    def result(self) -> _R:
-        """What fn() returned (raised: raised again)."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._result  # type: ignore[return-value]
+            done.set_exception(err)
+    threading.Thread(target=run, name="relay-part", daemon=True).start()
+    return done
 
 
 def merge_part_replies(replies: list[pb.ForwardReply]) -> pb.ForwardReply:
@@ -108,18 +96,15 @@ def relay_in_parts(wave_id: int, entries: tuple[WaveEntry, ...], token_ids: torc
     """A wave stepped and relayed part by part (`parts`: part_bounds): each part's step in turn on this thread (one
     call holding or waiting for the station lock at a time), its relay beside the next part's step; one reply for
     all. A part that fails fails the call, once every relay sent has ended."""
-    starts = [0]
-    for e in entries:
-        starts.append(starts[-1] + e.n_tokens)
-    relays: list[Beside[pb.ForwardReply]] = []
+    starts = [0, *accumulate(e.n_tokens for e in entries)]  # each entry's first row
+    relays: list[Future[pb.ForwardReply]] = []
     try:
         for lo, hi in parts:
             onward = pb.ForwardRequest(wave_id=wave_id, relay_to=relay_to[1:])
             entries_to_proto(entries[lo:hi], into=onward.entries)
             ids = token_ids[starts[lo]:starts[hi]] if token_ids is not None else None  # [rows]
             rows = hidden[starts[lo]:starts[hi]] if hidden is not None else None  # [rows, d]
-            relays.append(Beside(relayed_step(onward, entries[lo:hi], ids, rows)))
+            relays.append(beside(relayed_step(onward, entries[lo:hi], ids, rows)))
     finally:
-        for relay in relays:
-            relay.join()
+        wait(relays)
     return merge_part_replies([relay.result() for relay in relays])

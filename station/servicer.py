@@ -120,7 +120,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
             raise WireError(problem)
         if relay_to:
             return self.running_steps.run(request.wave_id, lambda ended: relay_step_replies(
-                self.successors, request.wave_id, entries, token_ids, steps, relay_to, self._one_step,
+                self.successors, request.wave_id, entries, token_ids, steps, relay_to, self._first_step,
                 time_remaining, block_tokens=bt, vocab_size=st.config.vocab_size, per_reply=per_reply, ended=ended))
         return self.running_steps.run(request.wave_id, lambda ended: local_step_replies(
             self._steps_chunk, entries, token_ids, steps, per_reply, bt, ended))
@@ -161,7 +161,8 @@ class StationServicer(station_pb2_grpc.StationServicer):
         except Exception as err:  # noqa: BLE001 - failure_status maps every class, a bug to INTERNAL
             return RefusedSession(*failure_status(err, "Steps"))
         return StepsSession(entries, steps, bt, hidden_size=st.config.hidden_size, dtype=st.spec.dtype,
-                            run=self._session_step, failure=lambda err: failure_status(err, "Steps"), hop=hop)
+                            run=lambda entries, hidden, space: self._relaying_step(entries, space, hidden=hidden),
+                            failure=lambda err: failure_status(err, "Steps"), hop=hop)
 
     def forward_answer(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None],
                        hidden_data: bytearray | memoryview | None = None, entries: tuple[WaveEntry, ...] | None = None
@@ -193,7 +194,7 @@ class StationServicer(station_pb2_grpc.StationServicer):
                 raise WireError("steps: several decode steps through a relay chain start at its first station "
                                 "(token ids in)")
             (reply,) = relay_step_replies(self.successors, request.wave_id, entries, token_ids, steps, relay_to,
-                                          self._one_step, time_remaining, block_tokens=self._block_tokens(),
+                                          self._first_step, time_remaining, block_tokens=self._block_tokens(),
                                           vocab_size=st.config.vocab_size, per_reply=steps)
             return reply
         if relay_to and len(parts := part_bounds(entries, st.spec.part_rows)) > 1:  # a large wave, part by part
@@ -214,11 +215,9 @@ class StationServicer(station_pb2_grpc.StationServicer):
         """This station's step on a wave whose rows go on through `relay_to` (`onward`: the request the successor
         gets, announced to it before the step where its link takes announcements), and the relay of those rows, to be
         called outside the station lock (the next wave computes meanwhile): its reply."""
-        st = self.station
         announced = self.successors.announce(onward, relay_to[0], time_remaining())
-        rows_out = self._rows_out(announced, entries)
-        out, kv = self.successors.unless_failed(announced, lambda: self.lock.run(
-            lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, rows_out=rows_out)))
+        out, kv = self.successors.unless_failed(announced, lambda: self._relaying_step(
+            entries, announced, token_ids=token_ids, hidden=hidden))
         return lambda: self.successors.relay(onward, relay_to[0], out, kv, time_remaining(), announced)
 
     @property
@@ -238,19 +237,19 @@ class StationServicer(station_pb2_grpc.StationServicer):
         st = self.station
         return self.lock.run(lambda: st.forward(entries, token_ids=token_ids, steps=steps))
 
-    def _one_step(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, space: Announced | StepsCall | None
-                  ) -> tuple[StationOutput, pb.KVUsage]:
-        """One step of a several-step relayed wave, under the station lock (released between steps, so other
-        waves compute while this one's rows travel); its rows where `space` has room for them."""
+    def _relaying_step(self, entries: tuple[WaveEntry, ...], space: Announced | StepsCall | None, *,
+                       token_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None
+                       ) -> tuple[StationOutput, pb.KVUsage]:
+        """This station's step on a wave whose rows go on to its successor, under the station lock (let go before
+        they travel, so other waves compute meanwhile); its rows where `space` (the hop's announcement or steps
+        session) has room for them."""
         st, rows_out = self.station, self._rows_out(space, entries)
-        return self.lock.run(lambda: st.forward(entries, token_ids=token_ids, rows_out=rows_out))
+        return self.lock.run(lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, rows_out=rows_out))
 
-    def _session_step(self, entries: tuple[WaveEntry, ...], hidden: torch.Tensor,
-                      space: Announced | StepsCall | None) -> tuple[StationOutput, pb.KVUsage]:
-        """One step of a steps session (station.steps_session) under the station lock; its rows where `space` has
-        room for them."""
-        st, rows_out = self.station, self._rows_out(space, entries)
-        return self.lock.run(lambda: st.forward(entries, hidden=hidden, rows_out=rows_out))
+    def _first_step(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, space: Announced | StepsCall | None
+                    ) -> tuple[StationOutput, pb.KVUsage]:
+        """One step of a several-step relayed wave at the first station (station.relay_steps' StepRunner)."""
+        return self._relaying_step(entries, space, token_ids=token_ids)
 
     def _rows_out(self, announced: Announced | StepsCall | None, entries: tuple[WaveEntry, ...]
                   ) -> torch.Tensor | None:

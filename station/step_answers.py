@@ -1,4 +1,4 @@
-"""A relayed decode step's answer in a steps session (station.steps_link), as fixed records and raw token ids.
+"""A relayed decode step's answer in a steps session (station.steps_session), as fixed records and raw token ids.
 
 What comes back to a relaying station for one step of a several-step wave: the KV and seconds of every station
 from the one it called to the last, the token ids the last drew (the relaying station's next step feeds them in)
