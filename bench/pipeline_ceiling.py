@@ -2,14 +2,21 @@
 behind `mesh bench mesh`'s pipelined figure.
 
     python bench/pipeline_ceiling.py [--model DIR] [--split A] [--rows 16] [--steps 12] [--whole-threads N]
+                                     [--[no-]contend]
     mesh bench pipeline_ceiling ...  (same arguments)
 
-(1) Step times alone, in this process: the whole model at --rows decode rows on every core (or
---whole-threads; `--rows 32 --whole-threads 1 --split 8` is issue 13's core quota, one 1-core station
-against two 1-core stations splitting the bench preset as `balance: compute` does), and
-each half of the split [0, A) [A, L) at rows/2 on one thread (a pipeline of two halves a group of
---rows sequences into two waves). Ceiling = whole / (2 x slower half): the ratio two perfectly
-overlapped 1-thread stages would reach against that one station.
+(1) Step times, in this process: the whole model at --rows decode rows on every core (or --whole-threads;
+`--rows 32 --whole-threads 1 --split 8` is issue 13's core quota, one 1-core station against two 1-core stations
+splitting the bench preset as `balance: compute` does), and each half of the split [0, A) [A, L) at rows/2 on one
+thread (a pipeline of two halves a group of --rows sequences into two waves), interleaved step by step over --steps
+rounds (a whole step, each half's, a whole step again), so all meet the same hour: on a VM whose host slows a core
+~2x for seconds at a time (the AMD Zen 3 type of session 52, bench/out/core_quota_s52.txt), steps timed one
+measurement after another compare different phases. Ceiling = whole / (2 x slower half), per round (the mean of its
+two whole steps), then the median: the ratio two perfectly overlapped 1-thread stages would reach against that one
+station, were each stage's step as fast beside the other as alone. With --contend (the default at --whole-threads 1
+where two cores are usable) each round also times each half while a second process pinned to the other core steps
+the other half back to back, as a pipeline's other station does (it idles while the whole steps, as the lone
+station's second core does): the contended ceiling, what two stages sharing this machine's caches and memory reach.
 (2) Memory contention: one thread multiplying by 24 decode-shaped weight matrices (too big for the
 cache) alone, then in two processes at once, then with one cached matrix: the cost of two stages
 streaming weights from one memory bus. The last line printed is one JSON object with every figure.
@@ -17,12 +24,16 @@ streaming weights from one memory bus. The last line printed is one JSON object 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
+import multiprocessing as mp
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 
 import torch
@@ -51,22 +62,120 @@ print((time.perf_counter() - t) / n / len(ws) * 1e6)
 """
 
 
-def step_ms(model_dir: Path, layers: tuple[int, int], rows: int, threads: int, steps: int) -> float:
-    """Median ms of a decode step of `rows` sequences (32-token context) through `layers`."""
-    on_compute_thread(torch.set_num_threads, threads)
+PROMPT = 32  # tokens each stepper's sequences hold before their first decode step
+WINDOW = 256  # decode steps a stepper runs before it releases its sequences and prompts them afresh (KV bounded)
+
+
+def decode_stepper(model_dir: Path, layers: tuple[int, int], rows: int, threads: int) -> Callable[[], float]:
+    """A station over `layers` whose `rows` sequences hold a PROMPT-token prompt; each call runs one decode step of
+    them on `threads` torch threads (set before every step, as steppers of several thread counts take turns) and
+    answers its ms (every WINDOW steps the sequences start again from their prompt first, untimed)."""
     st = Station(model_dir, StationSpec(layers=layers))
     sample = GREEDY if st.is_last else None
+    seqs = range(rows)
 
     def rows_in(n: int) -> dict:
         if st.is_first:
             return {"token_ids": torch.randint(3, st.config.vocab_size, (n,))}
         return {"hidden": torch.randn(n, st.config.hidden_size)}
 
-    st.forward(tuple(WaveEntry(i, 0, 32, sample) for i in range(rows)), **rows_in(32 * rows))
-    times = []
-    for pos in range(32, 32 + steps):
-        times.append(st.forward(tuple(WaveEntry(i, pos, 1, sample) for i in range(rows)), **rows_in(rows)).seconds)
-    return statistics.median(times) * 1e3
+    def prompt() -> None:
+        st.release(list(seqs))
+        st.forward(tuple(WaveEntry(i, 0, PROMPT, sample) for i in seqs), **rows_in(PROMPT * rows))
+
+    on_compute_thread(torch.set_num_threads, threads)
+    prompt()
+    positions = itertools.count(PROMPT)
+
+    def step() -> float:
+        nonlocal positions
+        on_compute_thread(torch.set_num_threads, threads)
+        pos = next(positions)
+        if pos == PROMPT + WINDOW:
+            prompt()
+            positions = itertools.count(PROMPT)
+            pos = next(positions)
+        return st.forward(tuple(WaveEntry(i, pos, 1, sample) for i in seqs), **rows_in(rows)).seconds * 1e3
+    return step
+
+
+def contend(model_dir: Path, ranges: list[tuple[int, int]], rows: int, core: int, mode, started, stop) -> None:
+    """The pipeline's other stage, in a process of its own pinned to `core`: while mode.value is i >= 0 it steps
+    ranges[i] at `rows` rows back to back, as the other station computes the other wave while one computes its own;
+    at IDLE it waits. started.value says which mode its current step (or wait) began under."""
+    os.sched_setaffinity(0, {core})
+    steppers = [decode_stepper(model_dir, r, rows, 1) for r in ranges]
+    started.value = IDLE
+    while not stop.is_set():
+        now = mode.value
+        started.value = now
+        if now == IDLE:
+            time.sleep(0.001)
+        else:
+            steppers[now]()
+
+
+IDLE = -1
+
+
+class Contender:
+    """A contend() process and the switch that sets what it runs (`run(i)` returns once a step of ranges[i], or its
+    wait at IDLE, has begun there); `close` stops it."""
+
+    def __init__(self, model_dir: Path, ranges: list[tuple[int, int]], rows: int, core: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.mode, self.started, self.stop = ctx.Value("i", IDLE), ctx.Value("i", -2), ctx.Event()
+        self.proc = ctx.Process(target=contend, args=(model_dir, ranges, rows, core, self.mode, self.started,
+                                                      self.stop), daemon=True)
+        self.proc.start()
+        self._wait(IDLE, START_S)
+
+    def _wait(self, mode: int, within_s: float) -> None:
+        deadline = time.monotonic() + within_s
+        while self.started.value != mode:
+            if time.monotonic() > deadline or not self.proc.is_alive():
+                raise RuntimeError(f"pipeline_ceiling: the contending stage did not reach mode {mode} within "
+                                   f"{within_s:.0f} s (alive: {self.proc.is_alive()})")
+            time.sleep(0.0005)
+
+    def run(self, i: int) -> None:
+        """Have the other core step ranges[i] from now on (IDLE: nothing)."""
+        self.mode.value = i
+        self._wait(i, SWITCH_S)
+
+    def close(self) -> None:
+        """Stop the process and wait for it."""
+        self.stop.set()
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+START_S = 300.0  # for the contending process to load its two stations
+SWITCH_S = 60.0  # for it to finish a step and begin the next under a new mode
+
+
+def interleaved_ms(whole: Callable[[], float], halves: list[Callable[[], float]], rounds: int,
+                   other: Contender | None) -> list[tuple]:
+    """Per round, in ms: the mean of a whole step before and after the rest, each half's step alone, and (with a
+    contender) each half's step while the other core steps the other half, as in a pipeline; the other core idles
+    while the whole steps (the lone station has its core to itself, the second idle)."""
+    out = []
+    for _ in range(rounds):
+        before = whole()
+        alone = tuple(h() for h in halves)
+        contended = ()
+        if other is not None:
+            contended = tuple(_beside(other, 1 - i, h) for i, h in enumerate(halves))
+            other.run(IDLE)
+        out.append(((before + whole()) / 2, *alone, *contended))
+    return out
+
+
+def _beside(other: Contender, runs: int, step: Callable[[], float]) -> float:
+    """One step's ms while the other core steps half `runs`."""
+    other.run(runs)
+    return step()
 
 
 def linear_us(rows: int, matrices: int, copies: int) -> list[float]:
@@ -82,33 +191,64 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="HF checkpoint dir (default: the built-in `bench` preset)")
     p.add_argument("--split", type=int, help="first layer of the second stage (default: half)")
     p.add_argument("--rows", type=int, default=16, help="concurrent sequences")
-    p.add_argument("--steps", type=int, default=12, help="timed decode steps per measurement")
+    p.add_argument("--steps", type=int, default=12, help="interleaved rounds (a whole step, each half's, a whole step)")
     p.add_argument("--whole-threads", type=int, help="threads of the whole-model station (default: every core; 1 is "
                    "the core quota's lone 1-core station against two 1-core stages)")
+    p.add_argument("--contend", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time each half while a second process on another core steps the other half (default: "
+                   "on with --whole-threads 1 where two cores are usable)")
     args = p.parse_args(argv)
     model_dir = resolve_model(args.model, "bench")
     layers = ModelConfig.from_dir(model_dir).num_hidden_layers
     split = args.split or layers // 2
     cores = os.cpu_count() or 1
     whole_threads = args.whole_threads or cores
-    whole = step_ms(model_dir, (0, layers), args.rows, whole_threads, args.steps)
-    halves = [step_ms(model_dir, r, args.rows // 2, 1, args.steps) for r in ((0, split), (split, layers))]
-    ceiling = whole / (2 * max(halves))
+    usable = sorted(os.sched_getaffinity(0))
+    contend_on = args.contend if args.contend is not None else (whole_threads == 1 and len(usable) >= 2)
+    if contend_on and (whole_threads != 1 or len(usable) < 2):
+        p.error("--contend: needs --whole-threads 1 and two usable cores (this process on one, the other stage on "
+                "the other)")
+    ranges = [(0, split), (split, layers)]
+    other = Contender(model_dir, ranges, args.rows // 2, usable[1]) if contend_on else None
+    try:
+        if other is not None:
+            os.sched_setaffinity(0, {usable[0]})
+        whole_step = decode_stepper(model_dir, (0, layers), args.rows, whole_threads)
+        half_steps = [decode_stepper(model_dir, r, args.rows // 2, 1) for r in ranges]
+        timed = interleaved_ms(whole_step, half_steps, args.steps, other)
+    finally:
+        if other is not None:
+            other.close()
+    whole = statistics.median(t[0] for t in timed)
+    halves = [statistics.median(t[1 + i] for t in timed) for i in range(2)]
+    by_round = [t[0] / (2 * max(t[1:3])) for t in timed]
+    ceiling = statistics.median(by_round)
+    contended = [statistics.median(t[3 + i] for t in timed) for i in range(2)] if other is not None else None
+    contended_by_round = [t[0] / (2 * max(t[3:5])) for t in timed] if other is not None else None
     streamed_alone = linear_us(max(2, args.rows // 2), 24, 1)[0]
     streamed_two = statistics.mean(linear_us(max(2, args.rows // 2), 24, 2))
     cached = linear_us(max(2, args.rows // 2), 1, 1)[0]
     print(f"whole model, {args.rows} rows, {whole_threads} threads: {whole:.2f} ms/step")
     print(f"[0,{split}) and [{split},{layers}), {args.rows // 2} rows, 1 thread each, alone: "
           f"{halves[0]:.2f} / {halves[1]:.2f} ms/step")
-    print(f"ceiling of two perfectly overlapped stages vs the whole: {ceiling:.2f}x")
+    print(f"ceiling of two perfectly overlapped stages vs the whole: {ceiling:.2f}x (median of {len(by_round)} "
+          f"interleaved rounds, {min(by_round):.2f}-{max(by_round):.2f}x)")
+    if contended is not None:
+        print(f"the same halves while the other core steps the other half (as the pipeline's stations do): "
+              f"{contended[0]:.2f} / {contended[1]:.2f} ms/step; ceiling {statistics.median(contended_by_round):.2f}x "
+              f"({min(contended_by_round):.2f}-{max(contended_by_round):.2f}x): what two stages sharing this "
+              "machine's memory can reach")
     print(f"one thread, 2048x768 matmul at {max(2, args.rows // 2)} rows: {streamed_alone:.0f} us streaming 24 "
           f"matrices alone, {streamed_two:.0f} us with a second process doing the same, {cached:.0f} us cached")
     mach = describe_machine()
     print(f"machine: {mach['cpu']}, {mach['cores']} cores, torch {mach['torch']}, load {mach['loadavg_1m']}")
-    print(json.dumps({"whole_ms": whole, "whole_threads": whole_threads, "halves_ms": halves, "split": split, "rows": args.rows,
-                      "ceiling": ceiling, "linear_us": {"streamed_alone": streamed_alone,
-                                                        "streamed_two_processes": streamed_two,
-                                                        "cached": cached}, "machine": mach}))
+    print(json.dumps({
+        "whole_ms": whole, "whole_threads": whole_threads, "halves_ms": halves, "split": split, "rows": args.rows,
+        "ceiling": ceiling, "ceiling_by_round": by_round, "halves_contended_ms": contended,
+        "ceiling_contended": statistics.median(contended_by_round) if contended else None,
+        "ceiling_contended_by_round": contended_by_round,
+        "linear_us": {"streamed_alone": streamed_alone, "streamed_two_processes": streamed_two, "cached": cached},
+        "machine": mach}))
     return 0
 
 

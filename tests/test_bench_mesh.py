@@ -83,5 +83,8 @@ def test_pipeline_ceiling_runs(tiny_llama):
     assert proc.returncode == 0, proc.stderr[-4000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert figures["whole_ms"] > 0 and len(figures["halves_ms"]) == 2 and figures["ceiling"] > 0
-    assert figures["whole_threads"] == 1
+    assert figures["whole_threads"] == 1 and len(figures["ceiling_by_round"]) == 2  # --steps interleaved rounds
+    if len(os.sched_getaffinity(0)) >= 2:  # the other half stepped on a second core while each half is timed
+        assert len(figures["halves_contended_ms"]) == 2 and all(v > 0 for v in figures["halves_contended_ms"])
+        assert len(figures["ceiling_contended_by_round"]) == 2 and figures["ceiling_contended"] > 0
     assert all(v > 0 for v in figures["linear_us"].values())
