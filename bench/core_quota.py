@@ -1,7 +1,7 @@
 """Issue 13's core quota, alternated: two 1-core stations against one, round by round (a measurement, never serving).
 
     python bench/core_quota.py [--rounds 5] [--concurrency 32] [--prompt 32] [--tokens 64] [--repeats 3]
-                               [--model DIR] [--quick] [--min-tokens N] [--max-wave-tokens N]
+                               [--model DIR] [--quick] [--min-tokens N] [--max-wave-tokens N] [--ceiling STEPS]
     mesh bench core_quota ...  (same arguments)
 
 Each round runs bench/chain.py twice, each in a process of its own (a configuration's stations hold their pinned
@@ -16,6 +16,10 @@ pipeline_ceiling`, measures the same from the other side), and where each statio
 step, its longest gap, the other gaps, after its last step: bench/idle_parts.py, from the stations' step
 timelines), with the median of its decode steps, the lone station's too. Runs on this VM type spread +-7%, so a
 figure is a median of rounds, never one run.
+--ceiling STEPS runs bench/pipeline_ceiling.py before the first round and after the last (STEPS interleaved rounds,
+the pair's split, --concurrency rows, the lone station's one thread, --contend): the split's ceiling that hour alone
+and with the two stages sharing the machine's memory, beside the ratios (on session 52's AMD Zen 3 VM two stages
+streaming weights at once slowed each other ~20-30%, which no change to the chain can give back).
 --min-tokens (mixed lengths) and --max-wave-tokens measure other workloads the same way; they get no verdict.
 The last line printed is one JSON object.
 """
@@ -33,6 +37,7 @@ from call_shape import min_tokens_problem  # bench/ is on sys.path when a bench 
 from idle_parts import describe
 
 CHAIN = Path(__file__).resolve().parent / "chain.py"
+CEILING = Path(__file__).resolve().parent / "pipeline_ceiling.py"
 TARGET = 1.6  # issue 13: two 1-core stations reach at least 1.6x one
 
 
@@ -49,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-tokens", type=int, help="mixed lengths: max_tokens drawn from [N, --tokens] per request, "
                    "the same draw for both configs (chain.py --min-tokens; default: all --tokens)")
     p.add_argument("--quick", action="store_true", help="a smoke test: tiny model, 4 x 8 tokens, 1 round, 1 repeat")
+    p.add_argument("--ceiling", type=int, default=0, metavar="STEPS",
+                   help="also measure the split's ceiling (bench/pipeline_ceiling.py, STEPS interleaved rounds) "
+                   "before the first round and after the last (default 0: not)")
     a = p.parse_args(argv)
     for name, full, quick in (("rounds", 5, 1), ("concurrency", 32, 4), ("prompt", 32, 8), ("tokens", 64, 8),
                               ("repeats", 3, 1)):
@@ -58,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name}: must be >= 1, got {getattr(a, name)}")
     if (problem := min_tokens_problem(a.min_tokens, a.tokens)) is not None:
         p.error(problem)
+    if a.ceiling < 0:
+        p.error(f"--ceiling: must be >= 0, got {a.ceiling}")
     if a.max_wave_tokens is not None and a.max_wave_tokens < a.concurrency:
         p.error(f"--max-wave-tokens: must be >= --concurrency ({a.concurrency}), got {a.max_wave_tokens}")
     return a
@@ -81,6 +91,36 @@ def run_chain(args: argparse.Namespace, stations: int) -> dict:
     return figures["detail"][str(stations)][str(args.concurrency)]
 
 
+def run_ceiling(args: argparse.Namespace, split: int) -> dict:
+    """bench/pipeline_ceiling.py at the pair's split, --concurrency rows, the lone station's one thread, contended:
+    its JSON figures."""
+    cmd = [sys.executable, str(CEILING), "--rows", str(args.concurrency), "--whole-threads", "1", "--split",
+           str(split), "--steps", str(args.ceiling), "--contend"]
+    if args.model or args.quick:
+        cmd += ["--model", args.model or "tiny"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[1:])} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def pair_split(args: argparse.Namespace) -> int:
+    """The first layer of the pair's second station, as chain.py's `--balance compute` splits the model in two."""
+    from mesh.control.cli import resolve_model
+    from mesh.control.layer_plan import plan_layers, split_weights
+    from mesh.core.config import ModelConfig
+    cfg = ModelConfig.from_dir(resolve_model(args.model, "tiny" if args.quick else "bench"))
+    return plan_layers(cfg.num_hidden_layers, 2, split_weights(cfg, "float32", "compute"))[1][0]
+
+
+def describe_ceiling(when: str, c: dict) -> str:
+    """One line: the split's ceiling alone and contended, with their halves."""
+    alone, contended = c["halves_ms"], c["halves_contended_ms"]
+    return (f"the split's ceiling {when}: {c['ceiling']:.3f}x alone (halves {alone[0]:.1f} / {alone[1]:.1f} ms, the "
+            f"whole {c['whole_ms']:.1f} ms), {c['ceiling_contended']:.3f}x with both stages stepping at once (halves "
+            f"{contended[0]:.1f} / {contended[1]:.1f} ms)")
+
+
 def _tokens(args: argparse.Namespace) -> str:
     return str(args.tokens) if args.min_tokens is None else f"{args.min_tokens}-{args.tokens} (mixed)"
 
@@ -92,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.concurrency} requests, prompt {args.prompt}, {_tokens(args)} tokens, {args.repeats} repeats"
           f"{'' if args.max_wave_tokens is None else f', --max-wave-tokens {args.max_wave_tokens}'})",
           file=sys.stderr, flush=True)
+    ceilings = []
+    if args.ceiling:
+        split = pair_split(args)
+        ceilings.append(run_ceiling(args, split))
+        print(describe_ceiling("before the rounds", ceilings[0]), flush=True)
     rounds = []
     for r in range(args.rounds):
         order = (1, 2) if r % 2 == 0 else (2, 1)
@@ -115,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, parts in named:
             if parts is not None:
                 print(f"  {name}: {describe(parts)}", flush=True)
+    if args.ceiling:
+        ceilings.append(run_ceiling(args, split))
+        print(describe_ceiling("after the rounds", ceilings[1]), flush=True)
     ratios = [x["ratio"] for x in rounds]
     median = statistics.median(ratios)
     identical = len({x[k] for x in rounds for k in ("one_sha", "two_sha")}) == 1
@@ -134,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                       "target": TARGET, "rounds_at_target": reached,
                       "tokens_identical": identical, "concurrency": args.concurrency, "prompt": args.prompt,
                       "tokens": args.tokens, "min_tokens": args.min_tokens, "max_wave_tokens": args.max_wave_tokens,
-                      "repeats": args.repeats}))
+                      "repeats": args.repeats,
+                      "ceilings": [{k: c[k] for k in ("ceiling", "ceiling_contended", "whole_ms", "halves_ms",
+                                                      "halves_contended_ms", "split")} for c in ceilings]}))
     return 0
 
 

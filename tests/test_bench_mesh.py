@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from mesh.control.layer_plan import plan_layers, split_weights
+from mesh.core.config import ModelConfig
+
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "chain.py"
 
 
@@ -34,12 +37,13 @@ def test_bench_mesh_quick_runs(tiny_llama):
 def test_core_quota_quick_runs(tiny_llama):
     """`bench/core_quota.py` runs one station and two as separate chain.py processes and reports their ratio, the
     tokens of both (identical), the pair's busy fractions and what its ratio would be with its busiest station never
-    idle, where each station's idle went and its decode steps' median (the lone station's too), ending with a JSON
-    line."""
+    idle, where each station's idle went and its decode steps' median (the lone station's too), and with --ceiling
+    the split's ceiling alone and contended before the first round and after the last, ending with a JSON line."""
     pytest.importorskip("ray")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run([sys.executable, str(SCRIPT.parent / "core_quota.py"), "--model", str(tiny_llama), "--quick",
-                           "--min-tokens", "3"], check=False, capture_output=True, text=True, timeout=300, env=env)
+                           "--min-tokens", "3", "--ceiling", "1"], check=False, capture_output=True, text=True,
+                          timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     (only,) = figures["rounds"]
@@ -58,6 +62,12 @@ def test_core_quota_quick_runs(tiny_llama):
         assert f"{printed} station: idle" in proc.stdout
     assert figures["rounds_at_target"] == (figures["median_ratio"] >= figures["target"])
     assert figures["min_tokens"] == 3 and "no verdict (not the issue's workload)" in proc.stdout
+    cfg = ModelConfig.from_dir(tiny_llama)
+    split = plan_layers(cfg.num_hidden_layers, 2, split_weights(cfg, "float32", "compute"))[1][0]  # chain.py's pair
+    assert [c["split"] for c in figures["ceilings"]] == [split, split]
+    for c, when in zip(figures["ceilings"], ("before the rounds", "after the rounds")):
+        assert c["ceiling"] > 0 and c["ceiling_contended"] > 0 and all(ms > 0 for ms in c["halves_contended_ms"])
+        assert f"the split's ceiling {when}: " in proc.stdout
 
 
 def test_mixed_lengths_are_one_seeded_draw_per_concurrency():
