@@ -64,6 +64,9 @@ print((time.perf_counter() - t) / n / len(ws) * 1e6)
 
 PROMPT = 32  # tokens each stepper's sequences hold before their first decode step
 WINDOW = 256  # decode steps a stepper runs before it releases its sequences and prompts them afresh (KV bounded)
+IDLE = -1  # the contending stage's mode while it steps nothing
+START_S = 300.0  # for the contending process to load its two stations
+SWITCH_S = 60.0  # for it to finish a step and begin the next under a new mode
 
 
 def decode_stepper(model_dir: Path, layers: tuple[int, int], rows: int, threads: int) -> Callable[[], float]:
@@ -115,9 +118,6 @@ def contend(model_dir: Path, ranges: list[tuple[int, int]], rows: int, core: int
             steppers[now]()
 
 
-IDLE = -1
-
-
 class Contender:
     """A contend() process and the switch that sets what it runs (`run(i)` returns once a step of ranges[i], or its
     wait at IDLE, has begun there); `close` stops it."""
@@ -149,10 +149,6 @@ class Contender:
         self.proc.join(timeout=30)
         if self.proc.is_alive():
             self.proc.kill()
-
-
-START_S = 300.0  # for the contending process to load its two stations
-SWITCH_S = 60.0  # for it to finish a step and begin the next under a new mode
 
 
 def interleaved_ms(whole: Callable[[], float], halves: list[Callable[[], float]], rounds: int,
