@@ -21,7 +21,7 @@ from mesh.core.wire_tensor import WireError
 from station.relay import RelayError, Successors
 from station.relay_link_client import Announced, StepsCall
 from station.step_answers import HopReport, StepAnswer, relay_hop
-from station.step_hops import open_step_hop
+from station.step_hops import open_step_hop, step_before_hop
 from station.step_replies import never
 
 # one step of this station on a wave's entries and token ids, given where its rows may be put (`rows_space` of the
@@ -87,12 +87,7 @@ def relay_step_replies(successors: Successors, wave_id: int, entries: tuple[Wave
             if k and ended():
                 break
             step = upcoming.pop()
-            space = hop.begin(k, step, time_left_s)
-            try:
-                out, kv = run_step(step, token_ids, space)
-            except BaseException:
-                hop.abandon()
-                raise
+            out, kv = step_before_hop(hop, k, step, time_left_s, lambda space: run_step(step, token_ids, space))
             answer = hop.send(k, out, time_left_s, ahead(k))
             token_ids = torch.from_numpy(answer.ids.astype(np.int64))  # [K]
             chunk.add(out.seconds, kv, answer)

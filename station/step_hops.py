@@ -6,8 +6,7 @@ successor the wave once and then only each step's rows and index, its answer a S
 otherwise each step goes as a whole one-step request (RequestHop: announced before the step where the link takes
 announcements, else a gRPC Forward call) and its reply is read as a StepAnswer. Either way the relaying station runs
 
-    space = hop.begin(k, entries)    # where the step may put its rows (the successor's segment), or None
-    ... its own step, rows into `space` (hop.abandon() if it fails) ...
+    out, kv = step_before_hop(hop, k, entries, time_left, run)  # its own step, rows where the hop has room
     answer = hop.send(k, out)        # rows out; the reports of every station after, the sampled ids, the samples
 
 and `hop.finish()` once the wave's last step has been answered (`abandon` when a step failed or the call ends).
@@ -16,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 
@@ -28,6 +27,7 @@ from station.relay_link_client import Announced, StepsCall
 from station.step_answers import StepAnswer, answer_of_relayed
 
 TimeLeft = Callable[[], "float | None"]  # seconds left of the call the relaying station serves (None: no deadline)
+_R = TypeVar("_R")
 
 
 class StepHop(Protocol):
@@ -116,6 +116,18 @@ class RequestHop:
 
     def finish(self) -> None:
         self._announced = None
+
+
+def step_before_hop(hop: StepHop, k: int, entries: tuple[WaveEntry, ...], time_left: TimeLeft,
+                    run: Callable[[Announced | StepsCall | None], _R]) -> _R:
+    """Step `k`'s own step at the relaying station, before its rows go through `hop`: `run(space)`, `space` where
+    the hop has room for the rows (`begin`); if it fails, what the hop holds is let go (`abandon`) and it raises."""
+    space = hop.begin(k, entries, time_left)
+    try:
+        return run(space)
+    except BaseException:
+        hop.abandon()
+        raise
 
 
 def open_step_hop(successors: Successors, wave_id: int, entries: tuple[WaveEntry, ...], steps: int,

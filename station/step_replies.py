@@ -7,9 +7,9 @@ token; streamed, the samples of each `reply_steps` steps reach the orchestrator 
 while the wave stays at the stations for the whole call.
 
 The first station runs the steps: alone (it holds every layer), each chunk of `reply_steps` steps as one
-several-step forward under its lock; in a relay chain (station.relay), each step relayed through its successors.
-Each reply holds its steps' samples (step-major), its seconds and its last step's KV; in a chain, one RelayHop per
-relayed station with its seconds summed over the chunk's steps. A reply once sent stands: its steps ran at every
+several-step forward under its lock; in a relay chain (station.relay_steps), each step relayed through its
+successors. Each reply holds its steps' samples (step-major), its seconds and its last step's KV; in a chain, one
+RelayHop per relayed station with its seconds summed over the chunk's steps. A reply once sent stands: its steps ran at every
 station, so a failure later in the call leaves the orchestrator with the steps it was sent.
 
 The orchestrator may end such a call early (EndSteps, when a request waits for a lane or the route is to change):
@@ -19,7 +19,7 @@ orchestrator has every step that ran (its KV and its ledger agree) and can plan 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -65,39 +65,6 @@ class RunningSteps:
         if flag is not None:
             flag.set()
         return flag is not None
-
-
-def merge_step_replies(replies: Iterable[pb.ForwardReply]) -> pb.ForwardReply:
-    """One reply for the replies of consecutive steps: their samples step-major, their seconds summed, the last
-    one's KV; one RelayHop per relayed station, its seconds summed over the steps and its last KV."""
-    merged = pb.ForwardReply(forward_seconds=0.0)
-    hops: list[pb.RelayHop] = []
-    for reply in replies:
-        merged.samples.samples.extend(reply.samples.samples)
-        merged.forward_seconds += reply.forward_seconds
-        merged.kv.CopyFrom(reply.kv)
-        if not hops:
-            hops = list(reply.relayed)  # the step replies are the merge's own: summed into in place
-            continue
-        for total, hop in zip(hops, reply.relayed):
-            total.kv.CopyFrom(hop.kv)
-            total.forward_seconds += hop.forward_seconds
-            total.served_seconds += hop.served_seconds
-            total.call_seconds += hop.call_seconds
-    merged.relayed.extend(hops)
-    return merged
-
-
-def chunked_replies(per_step: Iterator[pb.ForwardReply], per_reply: int) -> Iterator[pb.ForwardReply]:
-    """The one-step replies of `per_step`, merged `per_reply` at a time (the last chunk may hold fewer)."""
-    chunk: list[pb.ForwardReply] = []
-    for reply in per_step:
-        chunk.append(reply)
-        if len(chunk) == per_reply:
-            yield merge_step_replies(chunk)
-            chunk = []
-    if chunk:
-        yield merge_step_replies(chunk)
 
 
 def local_step_replies(run_chunk: ChunkRunner, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, steps: int,

@@ -33,7 +33,7 @@ from mesh.core.wire import samples_to_proto
 from mesh.core.wire_tensor import WireError, all_finite
 from station.relay_link_client import Announced, StepsCall
 from station.step_answers import own_report, pack_step_answer
-from station.step_hops import StepHop
+from station.step_hops import StepHop, step_before_hop
 
 Failure = Callable[[Exception], "tuple[grpc.StatusCode, str]"]  # a failed step's status and message
 Outcome = "bytes | tuple[grpc.StatusCode, str]"  # a STEP_REPLY body, or the status and message of an ERROR
@@ -95,17 +95,13 @@ class StepsSession:
             entries = self._step_entries(k)
             hidden = self._hidden(rows)  # [T, d]
             self._next = k + 1
-            space = self._hop.begin(k, entries, time_left) if self._hop is not None else None
-            try:
-                out, kv = self._run(entries, hidden, space)
-            except BaseException:
-                if self._hop is not None:
-                    self._hop.abandon()
-                raise
             if self._hop is None:  # the last station: its samples (every entry of a decode step samples)
+                out, kv = self._run(entries, hidden, None)
                 ids = np.fromiter((s.token_id for s in out.samples), dtype=np.int32, count=len(entries))
                 samples, after = samples_to_proto(out.samples).SerializeToString(), ()
             else:
+                out, kv = step_before_hop(self._hop, k, entries, time_left,
+                                          lambda space: self._run(entries, hidden, space))
                 answer = self._hop.send(k, out, time_left)
                 ids, samples, after = answer.ids, answer.samples, answer.hops
             return pack_step_answer((own_report(out.seconds, time.perf_counter() - started, kv), *after), ids,
