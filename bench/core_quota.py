@@ -19,7 +19,8 @@ figure is a median of rounds, never one run.
 --ceiling STEPS runs bench/pipeline_ceiling.py before the first round and after the last (STEPS interleaved rounds,
 the pair's split, --concurrency rows, the lone station's one thread, --contend): the split's ceiling that hour alone
 and with the two stages sharing the machine's memory, beside the ratios (on session 52's AMD Zen 3 VM two stages
-streaming weights at once slowed each other ~20-30%, which no change to the chain can give back).
+streaming weights at once slowed each other by up to ~35% in some hours, which no change to the chain can give
+back).
 --min-tokens (mixed lengths) and --max-wave-tokens measure other workloads the same way; they get no verdict.
 The last line printed is one JSON object.
 """
@@ -73,29 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def run_chain(args: argparse.Namespace, stations: int) -> dict:
-    """One chain.py run of `stations` 1-core stations: its figures at the one concurrency."""
-    cmd = [sys.executable, str(CHAIN), "--configs", str(stations), "--station-cpus", "1", "--balance", "compute",
-           "--concurrency", str(args.concurrency), "--max-seqs", str(args.concurrency), "--prompt", str(args.prompt),
-           "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
-    if args.model or args.quick:
-        cmd += ["--model", args.model or "tiny"]
-    if args.max_wave_tokens:
-        cmd += ["--max-wave-tokens", str(args.max_wave_tokens)]
-    if args.min_tokens:
-        cmd += ["--min-tokens", str(args.min_tokens)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ.copy())
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[1:])} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    figures = json.loads(proc.stdout.strip().splitlines()[-1])
-    return figures["detail"][str(stations)][str(args.concurrency)]
-
-
-def run_ceiling(args: argparse.Namespace, split: int) -> dict:
-    """bench/pipeline_ceiling.py at the pair's split, --concurrency rows, the lone station's one thread, contended:
-    its JSON figures."""
-    cmd = [sys.executable, str(CEILING), "--rows", str(args.concurrency), "--whole-threads", "1", "--split",
-           str(split), "--steps", str(args.ceiling), "--contend"]
+def run_script(script: Path, args: argparse.Namespace, *options: str) -> dict:
+    """`script` with `options` (and --model where one is given, the tiny checkpoint with --quick), in a process of
+    its own: the JSON object its last line prints."""
+    cmd = [sys.executable, str(script), *options]
     if args.model or args.quick:
         cmd += ["--model", args.model or "tiny"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ.copy())
@@ -104,13 +86,35 @@ def run_ceiling(args: argparse.Namespace, split: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def run_chain(args: argparse.Namespace, stations: int) -> dict:
+    """One chain.py run of `stations` 1-core stations: its figures at the one concurrency, and `layers`, the
+    stations' layer ranges as it ran them."""
+    options = ["--configs", str(stations), "--station-cpus", "1", "--balance", "compute", "--concurrency",
+               str(args.concurrency), "--max-seqs", str(args.concurrency), "--prompt", str(args.prompt), "--tokens",
+               str(args.tokens), "--repeats", str(args.repeats)]
+    if args.max_wave_tokens:
+        options += ["--max-wave-tokens", str(args.max_wave_tokens)]
+    if args.min_tokens:
+        options += ["--min-tokens", str(args.min_tokens)]
+    figures = run_script(CHAIN, args, *options)
+    layers = [s["layers"] for s in figures["stations"][str(stations)]]
+    return {**figures["detail"][str(stations)][str(args.concurrency)], "layers": layers}
+
+
+def run_ceiling(args: argparse.Namespace, split: int) -> dict:
+    """bench/pipeline_ceiling.py at the pair's split, --concurrency rows, the lone station's one thread, contended:
+    its JSON figures."""
+    return run_script(CEILING, args, "--rows", str(args.concurrency), "--whole-threads", "1", "--split", str(split),
+                      "--steps", str(args.ceiling), "--contend")
+
+
 def pair_split(args: argparse.Namespace) -> int:
-    """The first layer of the pair's second station, as chain.py's `--balance compute` splits the model in two."""
+    """The first layer of the pair's second station, as chain.py plans it (`station_specs`, `--balance compute`)."""
+    from chain import station_specs  # torch and the engine: imported only for --ceiling
     from mesh.control.cli import resolve_model
-    from mesh.control.layer_plan import plan_layers, split_weights
     from mesh.core.config import ModelConfig
     cfg = ModelConfig.from_dir(resolve_model(args.model, "tiny" if args.quick else "bench"))
-    return plan_layers(cfg.num_hidden_layers, 2, split_weights(cfg, "float32", "compute"))[1][0]
+    return station_specs(cfg, 2, "float32", "compute", 1.0)[1].start
 
 
 def describe_ceiling(when: str, c: dict) -> str:
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                        "orchestrator_cpu_ms_per_wave": two["cpu_ms_per_wave"]["driver"],
                        "wall_ms_per_wave": two["wall_ms_per_wave"], "busy": two["station_busy_fraction"],
                        "first_station_idle": two["idle_parts"][0], "second_station_idle": two["idle_parts"][1],
-                       "lone_station_idle": lone})
+                       "lone_station_idle": lone, "pair_layers": two["layers"]})
         print(f"round {r + 1}: one {one['tok_s']:.1f} tok/s, two {two['tok_s']:.1f} tok/s, {ratio:.3f}x, tokens "
               f"{one['outputs_sha256'][:12]} / {two['outputs_sha256'][:12]}, busy "
               f"{[round(b, 3) for b in two['station_busy_fraction']]} (never idle: {ratio / busiest:.3f}x)", flush=True)

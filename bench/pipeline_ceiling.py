@@ -174,6 +174,13 @@ def _beside(other: Contender, runs: int, step: Callable[[], float]) -> float:
     return step()
 
 
+def halves_and_ceiling(timed: list[tuple], at: int) -> tuple[list[float], list[float], float]:
+    """From interleaved_ms' rounds, the halves' steps at `at`, `at` + 1 (1: alone, 3: contended): their median ms,
+    each round's ceiling (its whole step over twice its slower half's) and the median of those."""
+    by_round = [t[0] / (2 * max(t[at:at + 2])) for t in timed]
+    return [statistics.median(t[at + i] for t in timed) for i in range(2)], by_round, statistics.median(by_round)
+
+
 def linear_us(rows: int, matrices: int, copies: int) -> list[float]:
     """us per decode-shaped matmul on one thread, in `copies` processes at once."""
     procs = [subprocess.Popen([sys.executable, "-c", STREAM, str(rows), str(matrices)], stdout=subprocess.PIPE,
@@ -216,11 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         if other is not None:
             other.close()
     whole = statistics.median(t[0] for t in timed)
-    halves = [statistics.median(t[1 + i] for t in timed) for i in range(2)]
-    by_round = [t[0] / (2 * max(t[1:3])) for t in timed]
-    ceiling = statistics.median(by_round)
-    contended = [statistics.median(t[3 + i] for t in timed) for i in range(2)] if other is not None else None
-    contended_by_round = [t[0] / (2 * max(t[3:5])) for t in timed] if other is not None else None
+    halves, by_round, ceiling = halves_and_ceiling(timed, 1)
+    contended, contended_by_round, ceiling_contended = (halves_and_ceiling(timed, 3) if other is not None
+                                                        else (None, None, None))
     streamed_alone = linear_us(max(2, args.rows // 2), 24, 1)[0]
     streamed_two = statistics.mean(linear_us(max(2, args.rows // 2), 24, 2))
     cached = linear_us(max(2, args.rows // 2), 1, 1)[0]
@@ -231,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
           f"interleaved rounds, {min(by_round):.2f}-{max(by_round):.2f}x)")
     if contended is not None:
         print(f"the same halves while the other core steps the other half (as the pipeline's stations do): "
-              f"{contended[0]:.2f} / {contended[1]:.2f} ms/step; ceiling {statistics.median(contended_by_round):.2f}x "
+              f"{contended[0]:.2f} / {contended[1]:.2f} ms/step; ceiling {ceiling_contended:.2f}x "
               f"({min(contended_by_round):.2f}-{max(contended_by_round):.2f}x): what two stages sharing this "
               "machine's memory can reach")
     print(f"one thread, 2048x768 matmul at {max(2, args.rows // 2)} rows: {streamed_alone:.0f} us streaming 24 "
@@ -241,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({
         "whole_ms": whole, "whole_threads": whole_threads, "halves_ms": halves, "split": split, "rows": args.rows,
         "ceiling": ceiling, "ceiling_by_round": by_round, "halves_contended_ms": contended,
-        "ceiling_contended": statistics.median(contended_by_round) if contended else None,
+        "ceiling_contended": ceiling_contended,
         "ceiling_contended_by_round": contended_by_round,
         "linear_us": {"streamed_alone": streamed_alone, "streamed_two_processes": streamed_two, "cached": cached},
         "machine": mach}))

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from mesh.control.layer_plan import plan_layers, split_weights
 from mesh.core.config import ModelConfig
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "chain.py"
@@ -62,9 +61,9 @@ def test_core_quota_quick_runs(tiny_llama):
         assert f"{printed} station: idle" in proc.stdout
     assert figures["rounds_at_target"] == (figures["median_ratio"] >= figures["target"])
     assert figures["min_tokens"] == 3 and "no verdict (not the issue's workload)" in proc.stdout
-    cfg = ModelConfig.from_dir(tiny_llama)
-    split = plan_layers(cfg.num_hidden_layers, 2, split_weights(cfg, "float32", "compute"))[1][0]  # chain.py's pair
-    assert [c["split"] for c in figures["ceilings"]] == [split, split]
+    split = only["pair_layers"][1][0]  # where the pair's run split the model (chain.py's stations)
+    assert only["pair_layers"] == [[0, split], [split, ModelConfig.from_dir(tiny_llama).num_hidden_layers]]
+    assert [c["split"] for c in figures["ceilings"]] == [split, split]  # the ceiling measured at that split
     for c, when in zip(figures["ceilings"], ("before the rounds", "after the rounds")):
         assert c["ceiling"] > 0 and c["ceiling_contended"] > 0 and all(ms > 0 for ms in c["halves_contended_ms"])
         assert f"the split's ceiling {when}: " in proc.stdout
