@@ -105,7 +105,7 @@ def run_ceiling(args: argparse.Namespace, split: int) -> dict:
     """bench/pipeline_ceiling.py at the pair's split, --concurrency rows, the lone station's one thread, contended:
     its JSON figures."""
     return run_script(CEILING, args, "--rows", str(args.concurrency), "--whole-threads", "1", "--split", str(split),
-                      "--steps", str(args.ceiling), "--contend")
+                      "--steps", str(args.ceiling), "--contend", "--no-linears")
 
 
 def pair_split(args: argparse.Namespace) -> int:

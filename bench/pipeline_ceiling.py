@@ -2,7 +2,7 @@
 behind `mesh bench mesh`'s pipelined figure.
 
     python bench/pipeline_ceiling.py [--model DIR] [--split A] [--rows 16] [--steps 12] [--whole-threads N]
-                                     [--[no-]contend]
+                                     [--[no-]contend] [--no-linears]
     mesh bench pipeline_ceiling ...  (same arguments)
 
 (1) Step times, in this process: the whole model at --rows decode rows on every core (or --whole-threads;
@@ -19,7 +19,9 @@ the other half back to back, as a pipeline's other station does (it idles while 
 station's second core does): the contended ceiling, what two stages sharing this machine's caches and memory reach.
 (2) Memory contention: one thread multiplying by 24 decode-shaped weight matrices (too big for the
 cache) alone, then in two processes at once, then with one cached matrix: the cost of two stages
-streaming weights from one memory bus. The last line printed is one JSON object with every figure.
+streaming weights from one memory bus (skipped with --no-linears, as `bench/core_quota.py --ceiling` runs it: ~15 s
+of four subprocesses it does not read; its JSON's `linear_us` is then null). The last line printed is one JSON object
+with every figure.
 """
 from __future__ import annotations
 
@@ -200,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contend", action=argparse.BooleanOptionalAction, default=None,
                    help="also time each half while a second process on another core steps the other half (default: "
                    "on with --whole-threads 1 where two cores are usable)")
+    p.add_argument("--linears", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time part (2), the decode-shaped matmuls alone, in two processes and cached (default on)")
     args = p.parse_args(argv)
     model_dir = resolve_model(args.model, "bench")
     layers = ModelConfig.from_dir(model_dir).num_hidden_layers
@@ -226,9 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     halves, by_round, ceiling = halves_and_ceiling(timed, 1)
     contended, contended_by_round, ceiling_contended = (halves_and_ceiling(timed, 3) if other is not None
                                                         else (None, None, None))
-    streamed_alone = linear_us(max(2, args.rows // 2), 24, 1)[0]
-    streamed_two = statistics.mean(linear_us(max(2, args.rows // 2), 24, 2))
-    cached = linear_us(max(2, args.rows // 2), 1, 1)[0]
+    linears = None
+    if args.linears:
+        rows = max(2, args.rows // 2)
+        linears = {"streamed_alone": linear_us(rows, 24, 1)[0],
+                   "streamed_two_processes": statistics.mean(linear_us(rows, 24, 2)),
+                   "cached": linear_us(rows, 1, 1)[0]}
     print(f"whole model, {args.rows} rows, {whole_threads} threads: {whole:.2f} ms/step")
     print(f"[0,{split}) and [{split},{layers}), {args.rows // 2} rows, 1 thread each, alone: "
           f"{halves[0]:.2f} / {halves[1]:.2f} ms/step")
@@ -239,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{contended[0]:.2f} / {contended[1]:.2f} ms/step; ceiling {ceiling_contended:.2f}x "
               f"({min(contended_by_round):.2f}-{max(contended_by_round):.2f}x): what two stages sharing this "
               "machine's memory can reach")
-    print(f"one thread, 2048x768 matmul at {max(2, args.rows // 2)} rows: {streamed_alone:.0f} us streaming 24 "
-          f"matrices alone, {streamed_two:.0f} us with a second process doing the same, {cached:.0f} us cached")
+    if linears is not None:
+        print(f"one thread, 2048x768 matmul at {max(2, args.rows // 2)} rows: {linears['streamed_alone']:.0f} us "
+              f"streaming 24 matrices alone, {linears['streamed_two_processes']:.0f} us with a second process doing "
+              f"the same, {linears['cached']:.0f} us cached")
     mach = describe_machine()
     print(f"machine: {mach['cpu']}, {mach['cores']} cores, torch {mach['torch']}, load {mach['loadavg_1m']}")
     print(json.dumps({
@@ -248,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "ceiling": ceiling, "ceiling_by_round": by_round, "halves_contended_ms": contended,
         "ceiling_contended": ceiling_contended,
         "ceiling_contended_by_round": contended_by_round,
-        "linear_us": {"streamed_alone": streamed_alone, "streamed_two_processes": streamed_two, "cached": cached},
+        "linear_us": linears,
         "machine": mach}))
     return 0
 

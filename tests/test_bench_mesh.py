@@ -84,10 +84,11 @@ def test_mixed_lengths_are_one_seeded_draw_per_concurrency():
 
 
 def test_pipeline_ceiling_runs(tiny_llama):
-    """`bench/pipeline_ceiling.py` on the tiny checkpoint ends with a JSON line of positive figures."""
+    """`bench/pipeline_ceiling.py` on the tiny checkpoint ends with a JSON line of positive figures; with --no-linears
+    (as core_quota's --ceiling runs it) part (2)'s matmuls are neither timed nor printed."""
     script = SCRIPT.parent / "pipeline_ceiling.py"
     proc = subprocess.run([sys.executable, str(script), "--model", str(tiny_llama), "--rows", "4", "--steps", "2",
-                           "--whole-threads", "1"],
+                           "--whole-threads", "1", "--no-linears"],
                           check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -96,4 +97,13 @@ def test_pipeline_ceiling_runs(tiny_llama):
     if len(os.sched_getaffinity(0)) >= 2:  # the other half stepped on a second core while each half is timed
         assert len(figures["halves_contended_ms"]) == 2 and all(v > 0 for v in figures["halves_contended_ms"])
         assert len(figures["ceiling_contended_by_round"]) == 2 and figures["ceiling_contended"] > 0
-    assert all(v > 0 for v in figures["linear_us"].values())
+    assert figures["linear_us"] is None and "matmul" not in proc.stdout
+
+
+def test_pipeline_ceiling_times_decode_shaped_matmuls(bench_script):
+    """Part (2)'s probe (on by default): one thread's microseconds per decode-shaped matmul, in each of the processes
+    run at once."""
+    ceiling = bench_script("pipeline_ceiling")
+    (alone,) = ceiling.linear_us(2, 1, 1)
+    both = ceiling.linear_us(2, 1, 2)
+    assert alone > 0 and len(both) == 2 and all(v > 0 for v in both)
