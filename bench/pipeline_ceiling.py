@@ -230,12 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     halves, by_round, ceiling = halves_and_ceiling(timed, 1)
     contended, contended_by_round, ceiling_contended = (halves_and_ceiling(timed, 3) if other is not None
                                                         else (None, None, None))
+    probe_rows = max(2, args.rows // 2)  # part (2)'s matmuls: a stage's rows
     linears = None
     if args.linears:
-        rows = max(2, args.rows // 2)
-        linears = {"streamed_alone": linear_us(rows, 24, 1)[0],
-                   "streamed_two_processes": statistics.mean(linear_us(rows, 24, 2)),
-                   "cached": linear_us(rows, 1, 1)[0]}
+        linears = {"streamed_alone": linear_us(probe_rows, 24, 1)[0],
+                   "streamed_two_processes": statistics.mean(linear_us(probe_rows, 24, 2)),
+                   "cached": linear_us(probe_rows, 1, 1)[0]}
     print(f"whole model, {args.rows} rows, {whole_threads} threads: {whole:.2f} ms/step")
     print(f"[0,{split}) and [{split},{layers}), {args.rows // 2} rows, 1 thread each, alone: "
           f"{halves[0]:.2f} / {halves[1]:.2f} ms/step")
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({min(contended_by_round):.2f}-{max(contended_by_round):.2f}x): what two stages sharing this "
               "machine's memory can reach")
     if linears is not None:
-        print(f"one thread, 2048x768 matmul at {max(2, args.rows // 2)} rows: {linears['streamed_alone']:.0f} us "
+        print(f"one thread, 2048x768 matmul at {probe_rows} rows: {linears['streamed_alone']:.0f} us "
               f"streaming 24 matrices alone, {linears['streamed_two_processes']:.0f} us with a second process doing "
               f"the same, {linears['cached']:.0f} us cached")
     mach = describe_machine()
