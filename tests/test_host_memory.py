@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import resource
 import sys
+import weakref
 
 import pytest
 import torch
 
 from mesh.core.config import ModelConfig, StationSpec
-from mesh.core.model.host_memory import ALIGN, HUGE_PAGE, WeightArena, fresh_bytes, zero_pages
+from mesh.core.model.host_memory import ALIGN, HUGE_PAGE, WeightArena, fresh_bytes, populate_in_background, zero_pages
 from station.kv import KVPool
 
 
@@ -52,6 +53,20 @@ def test_a_cpu_kv_budget_reads_zeros_is_not_written_at_start_and_comes_in_beside
     assert not pool.k.any() and not pool.v.any()  # reads as zeros
     pool.k[0, 0] = 1.5
     assert pool.k[0, 0].eq(1.5).all() and not pool.k[0, 1].any()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the populate thread runs on Linux only")
+def test_the_populate_thread_holds_no_reference_to_its_tensors():
+    """Dropping the tensors frees them while their pages are still being faulted in: a daemon thread left holding the
+    last reference at interpreter exit freed a tensor over an mmap there and aborted the process (CI, session 55)."""
+    region = fresh_bytes(512 << 20)
+    gone = weakref.ref(region)
+    thread = populate_in_background((region,), "populate-test")
+    assert thread is not None and thread.daemon
+    del region
+    assert gone() is None, "the populate thread keeps the tensor alive"
+    thread.join(60)
+    assert not thread.is_alive()  # advising the released range is refused, not fatal
 
 
 def test_zero_pages_are_zeros_of_the_shape_and_dtype():

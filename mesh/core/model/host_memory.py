@@ -89,13 +89,18 @@ POPULATE_CHUNK = 8 << 20  # bytes faulted in per madvise call: the mmap lock is 
 
 def populate_in_background(tensors: tuple[torch.Tensor, ...], name: str) -> threading.Thread | None:
     """Fault the pages of these contiguous CPU tensors in (contents unchanged: zero pages stay zeros) from a daemon
-    thread, POPULATE_CHUNK bytes per call; returns the thread (None off Linux, where pages fault on first use)."""
+    thread, POPULATE_CHUNK bytes per call; returns the thread (None off Linux, where pages fault on first use).
+
+    The thread holds the tensors' addresses, never the tensors: had it held the last reference while the interpreter
+    shut down, a tensor over an mmap (fresh_bytes) would be freed on it, and its deleter's wait for the GIL ends a
+    daemon thread by an unwind that aborts the process ('terminate called without an active exception'). Memory
+    released meanwhile is harmless to advise: an unmapped range is refused, a reused one only faulted in."""
     if sys.platform != "linux":
         return None
+    ranges = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
 
     def run() -> None:
-        for t in tensors:
-            start, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        for start, nbytes in ranges:
             for offset in range(0, nbytes, POPULATE_CHUNK):
                 _populate(start + offset, min(POPULATE_CHUNK, nbytes - offset))
 
