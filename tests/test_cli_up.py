@@ -193,9 +193,8 @@ def test_sigterm_drains_then_stops_every_station(tmp_path, env, tiny_llama):
             proc.kill()
     assert proc.returncode == 0, out[-2000:]
     assert "Traceback" not in out, out[-4000:]
-    for pid in station_pids:  # no orphan station process
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    # no orphan station process: Ray ends the killed actors' processes a moment after `mesh up` returns
+    assert _still_running(station_pids, within_s=30) == [], "station processes outlived `mesh up`"
 
 
 def test_ctrl_c_drains_then_exits_0_without_a_traceback(tmp_path, env, tiny_llama):
@@ -225,12 +224,17 @@ def test_sigkill_of_the_orchestrator_leaves_no_station_running(tmp_path, env, ti
     finally:
         if proc.poll() is None:
             proc.kill()
-    deadline = time.monotonic() + 60
-    alive = list(station_pids)
+    assert _still_running(station_pids, within_s=60) == [], "station processes outlived the killed orchestrator"
+
+
+def _still_running(pids: list[int], within_s: float) -> list[int]:
+    """Those of `pids` still running (not zombies) after waiting up to within_s for them all to end."""
+    deadline = time.monotonic() + within_s
+    alive = [pid for pid in pids if _running(pid)]
     while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if _running(pid)]
         time.sleep(0.5)
-    assert alive == [], f"station processes {alive} outlived the killed orchestrator"
+        alive = [pid for pid in alive if _running(pid)]
+    return alive
 
 
 def _running(pid: int) -> bool:
