@@ -58,7 +58,7 @@ def test_a_cpu_kv_budget_reads_zeros_is_not_written_at_start_and_comes_in_beside
 @pytest.mark.skipif(sys.platform != "linux", reason="the populate thread runs on Linux only")
 def test_the_populate_thread_holds_no_reference_to_its_tensors():
     """Dropping the tensors frees them while their pages are still being faulted in: a daemon thread left holding the
-    last reference at interpreter exit freed a tensor over an mmap there and aborted the process (CI, session 55)."""
+    last reference at interpreter exit freed a tensor over an mmap there and aborted the process (CI, session 54)."""
     region = fresh_bytes(512 << 20)
     gone = weakref.ref(region)
     thread = populate_in_background((region,), "populate-test")
