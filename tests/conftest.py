@@ -139,6 +139,7 @@ def bench_script():
         path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", f"{name}.py")
         spec = importlib.util.spec_from_file_location(f"{name}_under_test", path)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # a dataclass of the script looks its module up there
         spec.loader.exec_module(module)
         return module
     return load
