@@ -29,6 +29,7 @@ import bisect
 import json
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import time
@@ -140,7 +141,19 @@ def record(model_dir: Path, split: int, rows: int, seconds: float, lead_s: float
              for core in (0, 1)]
     for p in procs:
         p.start()
-    got = dict(out.get(timeout=lead_s + seconds + 120) for _ in procs)
+    got: dict[int, list] = {}
+    deadline = time.monotonic() + lead_s + seconds + 120
+    while len(got) < len(procs):
+        try:
+            core, spans = out.get(timeout=1.0)
+            got[core] = spans
+        except queue.Empty:
+            failed = [(c, p.exitcode) for c, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError("ring_jitter: " + (f"the recording on core {failed[0][0]} exited with {failed[0][1]}"
+                                                      if failed else "the recordings did not end in time"))
     for p in procs:
         p.join(timeout=30)
     return tuple(CoreTrace(tuple(s for s, _ in got[c]), tuple(ms for _, ms in got[c]), split) for c in (0, 1))
@@ -188,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     from mesh.core.config import ModelConfig
     from mesh.control.layer_plan import plan_layers, split_weights
 
-    if len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
+    if not {0, 1} <= os.sched_getaffinity(0):
         print("ring_jitter: needs cores 0 and 1 (one per station)", file=sys.stderr)
         return 2
     model_dir = resolve_model(a.model, "tiny" if a.quick else "bench")

@@ -75,3 +75,14 @@ def test_ring_jitter_quick_records_both_cores_and_says_it_is_a_model(tiny_llama)
     assert len(out["traces"]) == 2 and all(t["step_ms"] for t in out["traces"])
     assert out["windows"] and out["static_ms"] > 0 and out["elastic_ms"] > 0
     assert 0 < out["static_busy"][0] <= 1 and 0 < out["static_busy"][1] <= 1
+
+
+@pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="records on cores 0 and 1")
+def test_a_recording_that_fails_stops_the_run_naming_its_core(tiny_llama, tmp_path):
+    """A checkpoint whose config reads but whose weights are missing: the recording processes fail to load it, and
+    the run ends with an error that says so rather than waiting out its deadline."""
+    (tmp_path / "config.json").write_text((Path(tiny_llama) / "config.json").read_text())
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "ring_jitter.py"), "--quick", "--model", str(tmp_path),
+                          "--seconds", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "ring_jitter: the recording on core" in run.stderr and "exited with" in run.stderr
