@@ -197,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.rows < 2 or a.rows % 2:
         p.error(f"--rows: an even count of two or more, got {a.rows}")
+    for name, value, least in (("seconds", a.seconds, 0.1), ("steps", a.steps, 1), ("min-layers", a.min_layers, 1),
+                               ("handoff-ms", a.handoff_ms, 0.0)):
+        if value is not None and value < least:
+            p.error(f"--{name}: must be >= {least:g}, got {value:g}")
     from mesh.control.cli import resolve_model
     from mesh.core.config import ModelConfig
     from mesh.control.layer_plan import plan_layers, split_weights

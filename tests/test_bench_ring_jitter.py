@@ -64,6 +64,14 @@ def test_the_head_weighs_its_weights_in_layers(rj, tiny_llama):
     assert rj.head_in_layers(cfg) == pytest.approx((cfg.vocab_size * d + d) / layer)
 
 
+@pytest.mark.parametrize("args, named", [
+    (["--seconds", "0"], "--seconds"), (["--steps", "0"], "--steps"), (["--min-layers", "0"], "--min-layers"),
+    (["--handoff-ms", "-1"], "--handoff-ms"), (["--rows", "3"], "--rows")])
+def test_bad_arguments_are_refused_naming_them(rj, capsys, args, named):
+    with pytest.raises(SystemExit) as exit_:
+        rj.main(args)
+    assert exit_.value.code == 2 and named in capsys.readouterr().err
+
 @pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="records on cores 0 and 1")
 def test_ring_jitter_quick_records_both_cores_and_says_it_is_a_model(tiny_llama):
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "ring_jitter.py"), "--quick", "--model",
