@@ -72,6 +72,7 @@ def test_bad_arguments_are_refused_naming_them(rj, capsys, args, named):
         rj.main(args)
     assert exit_.value.code == 2 and named in capsys.readouterr().err
 
+
 @pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="records on cores 0 and 1")
 def test_ring_jitter_quick_records_both_cores_and_says_it_is_a_model(tiny_llama):
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "ring_jitter.py"), "--quick", "--model",
