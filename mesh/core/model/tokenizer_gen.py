@@ -107,20 +107,45 @@ def _corpus_word_counts() -> list[tuple[str, int]]:
     return list(counts.items())
 
 
+def _merge_word(syms: list[str], a: str, b: str, new: str) -> tuple[list[str], list[int]] | None:
+    """`syms` with each (a, b) merged into `new` left to right, and the positions of the merged symbols in the
+    result; None when the word holds no (a, b)."""
+    out: list[str] = []
+    merged: list[int] = []
+    j = 0
+    while True:
+        try:
+            k = syms.index(a, j)
+        except ValueError:
+            break
+        if k + 1 < len(syms) and syms[k + 1] == b:
+            out.extend(syms[j:k])
+            merged.append(len(out))
+            out.append(new)
+            j = k + 2
+        else:
+            out.extend(syms[j:k + 1])
+            j = k + 1
+    if not merged:
+        return None
+    out.extend(syms[j:])
+    return out, merged
+
+
 def _learn_merges(word_counts: list[tuple[str, int]], vocab: dict[str, int],
                   vocab_size: int) -> list[tuple[str, str]]:
     """Greedy BPE until `vocab` holds `vocab_size` entries; mutates `vocab`.
 
     The most frequent adjacent pair is merged first, ties going to the
     lexicographically smallest (left, right). Pair counts are updated
-    incrementally (only the words containing the merged pair are rescanned) and a
-    lazy max-heap finds the best pair. If the corpus runs out of pairs, the rest
-    is filled by `_fallback_merges`.
+    incrementally (only the pairs beside a merge, in the words holding the merged
+    pair, change) and a lazy max-heap finds the best pair. If the corpus runs out
+    of pairs, the rest is filled by `_fallback_merges`.
     """
     words = [list(w) for w, _ in word_counts]
     freqs = [c for _, c in word_counts]
     pair_counts: dict[tuple[str, str], int] = {}
-    where: dict[tuple[str, str], set[int]] = {}
+    where: dict[tuple[str, str], set[int]] = {}  # the words holding each pair, or that once did (a superset)
     for i, syms in enumerate(words):
         for p in zip(syms, syms[1:]):
             pair_counts[p] = pair_counts.get(p, 0) + freqs[i]
@@ -139,28 +164,23 @@ def _learn_merges(word_counts: list[tuple[str, int]], vocab: dict[str, int],
         if new not in vocab:
             vocab[new] = len(vocab)
         delta: dict[tuple[str, str], int] = {}
-        for i in sorted(where.pop(pair)):
-            syms, f = words[i], freqs[i]
-            old_pairs = list(zip(syms, syms[1:]))
-            out: list[str] = []
-            j = 0
-            while j < len(syms):
-                if j + 1 < len(syms) and syms[j] == a and syms[j + 1] == b:
-                    out.append(new)
-                    j += 2
-                else:
-                    out.append(syms[j])
-                    j += 1
+        for i in where.pop(pair):
+            syms = words[i]
+            got = _merge_word(syms, a, b, new)
+            if got is None:
+                continue  # an earlier merge took this word's last (a, b)
+            out, merged = got
             words[i] = out
-            new_pairs = list(zip(out, out[1:]))
-            for p in old_pairs:
-                delta[p] = delta.get(p, 0) - f
-            for p in new_pairs:
-                delta[p] = delta.get(p, 0) + f
-            for p in set(old_pairs).difference(new_pairs):
-                if p != pair:
-                    where[p].discard(i)
-            for p in new_pairs:
+            # the r-th merged symbol, at m in `out`, was syms[m + r], syms[m + r + 1]: the pairs starting one
+            # before it to one after it in `syms` are gone, the two beside it in `out` are new; the rest is kept
+            gone = {j for r, m in enumerate(merged) for j in (m + r - 1, m + r, m + r + 1) if 0 <= j < len(syms) - 1}
+            made = {j for m in merged for j in (m - 1, m) if 0 <= j < len(out) - 1}
+            for j in gone:
+                p = (syms[j], syms[j + 1])
+                delta[p] = delta.get(p, 0) - freqs[i]
+            for j in made:
+                p = (out[j], out[j + 1])
+                delta[p] = delta.get(p, 0) + freqs[i]
                 where.setdefault(p, set()).add(i)
         for p, d in delta.items():
             if d == 0:
