@@ -152,9 +152,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Start a cluster from a YAML (or the embedded default) and serve until SIGINT/SIGTERM."""
     from dataclasses import replace
 
-    from mesh.control import up
-
-    config = _load_config(args.config)  # every mistake is refused here, before anything starts
+    config = _load_config(args.config)  # every mistake is refused here, before anything starts (or is imported)
+    from mesh.control import up  # torch, Ray and the server: seconds to import, so only for a config that holds
     if args.port is not None:
         config = replace(config, api=replace(config.api, port=args.port))
     if args.detach:
