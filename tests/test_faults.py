@@ -18,7 +18,7 @@ from mesh.core.params import SamplingParams
 from mesh.core.proto import station_pb2_grpc
 from orchestrator.engine import Engine
 from orchestrator.remote import RemoteLink
-from station.generate import generate_one
+from reference import reference_tokens
 from station.server import start_server
 from station.step import Station
 
@@ -33,8 +33,7 @@ def jobs(n=16, max_tokens=24):
 
 def reference(model_dir, prompts, params):
     """Each request run alone on one in-process full-model station."""
-    st = Station(model_dir, StationSpec(layers=(0, 6)))
-    return [generate_one(st, p, sp)[0] for p, sp in zip(prompts, params)]
+    return reference_tokens(model_dir, prompts, params)
 
 
 class _Injected(grpc.RpcError):

@@ -7,8 +7,7 @@ from mesh.control.mesh_config import MeshConfig, ModelSource
 from mesh.core.config import SchedulerConfig, StationSpec
 from mesh.control.cluster import Cluster
 from mesh.core.params import SamplingParams
-from station.generate import generate_one
-from station.step import Station
+from reference import reference_tokens
 
 ray = pytest.importorskip("ray")
 
@@ -21,8 +20,7 @@ def _jobs(n, max_tokens=12):
 
 
 def _reference(model_dir, prompts, params):
-    st = Station(model_dir, StationSpec(layers=(0, 6)))
-    return [generate_one(st, p, sp)[0] for p, sp in zip(prompts, params)]
+    return reference_tokens(model_dir, prompts, params)
 
 
 def _cluster(model_dir, ranges, hidden_path="direct", decode_steps=4):

@@ -16,7 +16,7 @@ from orchestrator.kv_ledger import KVBlockLedger
 from orchestrator.metrics import MetricsRegistry
 from orchestrator.pipeline import LocalLink, StationDown
 from orchestrator.sequence import Request, Sequence, SequenceStatus
-from station.generate import generate_one
+from reference import reference_tokens
 from station.step import Station
 
 KV = 64 * 2**20
@@ -34,8 +34,7 @@ def _jobs(n=16, prompt=300, max_tokens=160):
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     """Each stream alone on one full-model station that never changed."""
-    one = Station(tiny_llama, StationSpec(layers=(0, 6)))
-    return [generate_one(one, p, sp)[0] for p, sp in zip(*_jobs(max_tokens=MAX_TOKENS))]
+    return reference_tokens(tiny_llama, *_jobs(max_tokens=MAX_TOKENS))
 
 
 def _links(model_dir, ranges, kv_bytes=KV):
@@ -144,8 +143,7 @@ def test_station_in_both_routes_and_pause_setting_use_pause_and_re_prefill(tiny_
     """A route that keeps a station of the old one (it would hold two copies of a sequence) and the `pause`
     setting switch by pause and re-prefill, saying why; tokens unchanged."""
     prompts, params = _jobs(4, prompt=40, max_tokens=60)
-    one = Station(tiny_llama, StationSpec(layers=(0, 6)))
-    ref = [generate_one(one, p, sp)[0] for p, sp in zip(prompts, params)]
+    ref = reference_tokens(tiny_llama, prompts, params)
     cfg = ModelConfig.from_dir(tiny_llama)
     for mode in ("catchup", "pause"):
         links = _links(tiny_llama, ((0, 3), (3, 6)))

@@ -14,8 +14,7 @@ import pytest
 from mesh.core.config import SchedulerConfig, StationSpec
 from mesh.core.params import SamplingParams
 from orchestrator.route_switch import CatchUpFailed
-from station.generate import generate_one
-from station.step import Station
+from reference import reference_tokens
 
 ray = pytest.importorskip("ray")
 
@@ -53,8 +52,7 @@ def test_sigkill_of_a_station_during_catchup_keeps_every_token(local_ray, tiny_l
     which recompute what the copy had not brought. Either way every stream's tokens equal a cluster that never
     changed."""
     prompts, params = _jobs()
-    one = Station(tiny_llama, StationSpec(layers=(0, 6)))
-    ref = [generate_one(one, p, sp)[0] for p, sp in zip(prompts, params)]
+    ref = reference_tokens(tiny_llama, prompts, params)
     cluster = _cluster(tiny_llama, catchup_kv=source)
     try:
         old_specs = cluster.specs
@@ -104,8 +102,7 @@ def test_reroute_1_2_3_1_over_station_processes_moves_every_stream_by_catch_up(l
     during the catch-up, and each had a short chunk left at the switch), and every stream's tokens equal a
     cluster that never changed."""
     prompts, params = _jobs(prompt=120, max_tokens=880)
-    one = Station(tiny_llama, StationSpec(layers=(0, 6)))
-    ref = [generate_one(one, p, sp)[0] for p, sp in zip(prompts, params)]
+    ref = reference_tokens(tiny_llama, prompts, params)
     cluster = _cluster(tiny_llama, catchup_wave_tokens=256, max_wave_tokens=256, catchup_slowdown=0)  # unpaced
     try:
         plans = [cluster.prepare(tuple(StationSpec(layers=r) for r in ranges))
@@ -136,8 +133,7 @@ def test_add_station_with_layers_loads_fresh_copies_of_kept_stations_and_catches
     fresh copy beside the serving one, so the switch is made before the break (a KV copy, not a pause); the old
     copy is retired after it, and every stream's tokens equal a cluster that never changed."""
     prompts, params = _jobs(n=8, prompt=120, max_tokens=600)
-    one = Station(tiny_llama, StationSpec(layers=(0, 6)))
-    ref = [generate_one(one, p, sp)[0] for p, sp in zip(prompts, params)]
+    ref = reference_tokens(tiny_llama, prompts, params)
     cluster = _cluster(tiny_llama, catchup_wave_tokens=256, max_wave_tokens=256)
     try:
         two = cluster.reroute(tuple(StationSpec(layers=r) for r in ((0, 3), (3, 6))))
