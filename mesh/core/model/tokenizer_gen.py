@@ -18,6 +18,7 @@ is no unknown token. The post-processor prepends one `<s>`.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import random
@@ -246,6 +247,13 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     return tok
 
 
+@functools.lru_cache(maxsize=4)
+def tokenizer_json(vocab_size: int) -> str:
+    """tokenizer.json's text for `vocab_size` ids, built once a process: the build takes seconds and gives the same
+    text every time (a test run writes dozens of checkpoints of one size)."""
+    return build_tokenizer(vocab_size).to_str(pretty=True)
+
+
 def write_tokenizer(out_dir: str | Path, vocab_size: int, arch: str) -> None:
     """Write tokenizer.json and tokenizer_config.json into `out_dir`.
 
@@ -256,8 +264,7 @@ def write_tokenizer(out_dir: str | Path, vocab_size: int, arch: str) -> None:
         raise ValueError(f"arch: unsupported {arch!r} ({', '.join(SUPPORTED_ARCHS)})")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(vocab_size)
-    (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
+    (out / "tokenizer.json").write_text(tokenizer_json(vocab_size), encoding="utf-8")
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
