@@ -132,6 +132,50 @@ def test_tie_break_is_lexicographic():
     assert merges == [("a", "b"), ("c", "d"), ("y", "z"), ("x", "x")]
 
 
+def _merges_recounted(word_counts, n_merges):
+    """Greedy BPE the plain way: every pair counted again before each merge, the best (count, then the smallest
+    pair) merged left to right in every word."""
+    words = [(list(w), c) for w, c in word_counts]
+    merges = []
+    for _ in range(n_merges):
+        counts = {}
+        for syms, c in words:
+            for p in zip(syms, syms[1:]):
+                counts[p] = counts.get(p, 0) + c
+        if not counts:
+            break
+        best = min(counts, key=lambda p: (-counts[p], p))
+        merges.append(best)
+        for k, (syms, c) in enumerate(words):
+            out, j = [], 0
+            while j < len(syms):
+                if syms[j:j + 2] == list(best):
+                    out.append(best[0] + best[1])
+                    j += 2
+                else:
+                    out.append(syms[j])
+                    j += 1
+            words[k] = (out, c)
+    return merges
+
+
+def test_incremental_counts_merge_as_a_full_recount_does():
+    """Runs of one letter (a pair of a symbol with itself overlaps its neighbours), repeats of two, and a token
+    reached by two merge orders: the incremental pair counts pick the merges a full recount before each merge picks."""
+    import random
+
+    rng = random.Random(5)
+    words = ["aaaa", "aaa", "abab", "ababab", "baaab", "abcabc", "bcbcb", "cccc", "abc", "ca"]
+    words += ["".join(rng.choice("abc") for _ in range(rng.randint(2, 9))) for _ in range(60)]
+    word_counts = list({w: 1 + rng.randrange(7) for w in words}.items())
+    vocab = {t: i for i, t in enumerate(tg.SPECIAL_TOKENS)}
+    for ch in byte_chars():
+        vocab[ch] = len(vocab)
+    expected = _merges_recounted(word_counts, 40)
+    assert len(expected) == 40  # the corpus had pairs left for all of them: no filler below
+    assert tg._learn_merges(word_counts, dict(vocab), len(vocab) + 40)[:40] == expected
+
+
 @pytest.mark.parametrize("fixture", ["tok_512", "tok_4096", "tok_32000"])
 @pytest.mark.parametrize("text", TEXTS)
 def test_round_trip_tokenizers(request, fixture, text):
