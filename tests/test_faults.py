@@ -32,7 +32,7 @@ def jobs(n=16, max_tokens=24):
 
 
 def reference(model_dir, prompts, params):
-    """Each request run alone on one in-process full-model station."""
+    """Every request on one in-process full-model station that never changed (tests/reference.py)."""
     return reference_tokens(model_dir, prompts, params)
 
 

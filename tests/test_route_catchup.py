@@ -33,7 +33,7 @@ def _jobs(n=16, prompt=300, max_tokens=160):
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
-    """Each stream alone on one full-model station that never changed."""
+    """Every stream on one full-model station that never changed (tests/reference.py)."""
     return reference_tokens(tiny_llama, *_jobs(max_tokens=MAX_TOKENS))
 
 
