@@ -176,6 +176,14 @@ class Successors:
         except ValueError as err:  # the channel was closed under us (evicted)
             raise RelayError(grpc.StatusCode.UNAVAILABLE, f"relay to {address}: {err}") from None
 
+    def has_link(self, successor: str, time_left_s: float | None) -> bool:
+        """Whether relays to `successor` go over its relay link (its Info asked once); False where it offers none
+        or could not be asked now (the relay then reports why)."""
+        try:
+            return self._relayed(successor, lambda: self._link(successor, self._timeout(time_left_s))) is not None
+        except RelayError:
+            return False
+
     def announce(self, onward: pb.ForwardRequest, successor: str, time_left_s: float | None) -> Announced | None:
         """Send `successor` the wave's `onward` request (`onward_request`) before this station computes its rows,
         where its relay link takes announcements (station.relay_link): it decodes the entries meanwhile. None where

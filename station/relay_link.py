@@ -303,6 +303,10 @@ class RelayLinkServer:
     def stop(self) -> None:
         """Close the listener and every open connection (callers see UNAVAILABLE)."""
         self._stopped = True
+        try:  # a close alone leaves a thread blocked in accept() (Linux): it would hold this server, its station
+            self._listener.shutdown(socket.SHUT_RDWR)  # and the station's KV for the life of the process
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             for conn in list(self._open):

@@ -11,9 +11,11 @@ and the server keeps serving after each. A station's KV is not thread-safe, so
 Forward and Release hold one lock (station.station_lock; a Release sent with `queue_if_busy` while a call holds it
 is queued for that call to apply); the server (station.server) still runs a thread pool so
 that Info and the standard gRPC health service answer while a long forward runs. At
-most `max_pending` lock-taking calls wait at once, which keeps workers free for
+most `max_pending` lock-taking gRPC calls wait at once, which keeps workers free for
 health checks whatever a client sends. The relay link (station.relay_link) calls the same
-Forward through `forward_answer`.
+Forward through `forward_answer`; its calls wait for the lock unrefused (each on a thread of the link's own, their
+number bounded by its connections): the parts of a large relayed wave (station.relay_parts) and the waves of a
+fast predecessor queue there while a slower station steps.
 """
 from __future__ import annotations
 
@@ -161,7 +163,8 @@ class StationServicer(station_pb2_grpc.StationServicer):
         except Exception as err:  # noqa: BLE001 - failure_status maps every class, a bug to INTERNAL
             return RefusedSession(*failure_status(err, "Steps"))
         return StepsSession(entries, steps, bt, hidden_size=st.config.hidden_size, dtype=st.spec.dtype,
-                            run=lambda entries, hidden, space: self._relaying_step(entries, space, hidden=hidden),
+                            run=lambda entries, hidden, space: self._relaying_step(entries, space, hidden=hidden,
+                                                                                   from_link=True),
                             failure=lambda err: failure_status(err, "Steps"), hop=hop)
 
     def forward_answer(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None],
@@ -171,18 +174,19 @@ class StationServicer(station_pb2_grpc.StationServicer):
         `entries`: what `prepare_forward` made of an announced request."""
         started = time.perf_counter()
         try:
-            reply = self.forward(request, time_remaining, hidden_data, entries)
+            reply = self.forward(request, time_remaining, hidden_data, entries, from_link=True)
         except Exception as err:  # noqa: BLE001 - failure_status maps every class, a bug to INTERNAL
             return failure_status(err, "Forward")
         reply.served_seconds = time.perf_counter() - started
         return reply
 
     def forward(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None],
-                hidden_data: bytearray | memoryview | None = None, entries: tuple[WaveEntry, ...] | None = None
-                ) -> pb.ForwardReply:
+                hidden_data: bytearray | memoryview | None = None, entries: tuple[WaveEntry, ...] | None = None,
+                *, from_link: bool = False) -> pb.ForwardReply:
         """The step (and relay) of one Forward request; `time_remaining()`: seconds left of the caller's deadline
         (None: no deadline); `hidden_data`: the hidden rows' bytes where they came beside the request; `entries`: its
-        entries where they were decoded ahead (`prepare_forward`). Raises what `failure_status` maps."""
+        entries where they were decoded ahead (`prepare_forward`); `from_link`: it came over the relay link, and waits
+        for the station lock however many calls wait (StationLock.run). Raises what `failure_status` maps."""
         st = self.station
         _, entries, token_ids, hidden = decode_forward(
             request, hidden_size=st.config.hidden_size, dtype=st.spec.dtype, vocab_size=st.config.vocab_size,
@@ -197,12 +201,17 @@ class StationServicer(station_pb2_grpc.StationServicer):
                                           self._first_step, time_remaining, block_tokens=self._block_tokens(),
                                           vocab_size=st.config.vocab_size, per_reply=steps)
             return reply
-        if relay_to and len(parts := part_bounds(entries, st.spec.part_rows)) > 1:  # a large wave, part by part
+        # a large wave, part by part, where its successor takes them on its relay link (over gRPC each part waiting
+        # there would hold one of its workers, and its `max_pending` refuses more)
+        if (relay_to and len(parts := part_bounds(entries, st.spec.part_rows)) > 1
+                and self.successors.has_link(relay_to[0], time_remaining())):
             return relay_in_parts(request.wave_id, entries, token_ids, hidden, relay_to, parts, lambda *part: (
-                self._relayed_step(*part, relay_to, time_remaining)))
+                self._relayed_step(*part, relay_to, time_remaining, from_link)))
         if relay_to:  # the successor decodes the onward request while this station computes the rows
-            return self._relayed_step(onward_request(request), entries, token_ids, hidden, relay_to, time_remaining)()
-        out, kv = self.lock.run(lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps))
+            return self._relayed_step(onward_request(request), entries, token_ids, hidden, relay_to, time_remaining,
+                                      from_link)()
+        out, kv = self.lock.run(lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, steps=steps),
+                                waits=from_link)
         if out.hidden is not None:
             reply = pb.ForwardReply(forward_seconds=out.seconds, kv=kv)
             tensor_to_proto(out.hidden, into=reply.hidden)
@@ -211,13 +220,14 @@ class StationServicer(station_pb2_grpc.StationServicer):
 
     def _relayed_step(self, onward: pb.ForwardRequest, entries: tuple[WaveEntry, ...],
                       token_ids: torch.Tensor | None, hidden: torch.Tensor | None, relay_to: tuple[str, ...],
-                      time_remaining: Callable[[], float | None]) -> Callable[[], pb.ForwardReply]:
+                      time_remaining: Callable[[], float | None], from_link: bool = False
+                      ) -> Callable[[], pb.ForwardReply]:
         """This station's step on a wave whose rows go on through `relay_to` (`onward`: the request the successor
         gets, announced to it before the step where its link takes announcements), and the relay of those rows, to be
         called outside the station lock (the next wave computes meanwhile): its reply."""
         announced = self.successors.announce(onward, relay_to[0], time_remaining())
         out, kv = self.successors.unless_failed(announced, lambda: self._relaying_step(
-            entries, announced, token_ids=token_ids, hidden=hidden))
+            entries, announced, token_ids=token_ids, hidden=hidden, from_link=from_link))
         return lambda: self.successors.relay(onward, relay_to[0], out, kv, time_remaining(), announced)
 
     @property
@@ -238,13 +248,14 @@ class StationServicer(station_pb2_grpc.StationServicer):
         return self.lock.run(lambda: st.forward(entries, token_ids=token_ids, steps=steps))
 
     def _relaying_step(self, entries: tuple[WaveEntry, ...], space: Announced | StepsCall | None, *,
-                       token_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None
-                       ) -> tuple[StationOutput, pb.KVUsage]:
+                       token_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+                       from_link: bool = False) -> tuple[StationOutput, pb.KVUsage]:
         """This station's step on a wave whose rows go on to its successor, under the station lock (let go before
         they travel, so other waves compute meanwhile); its rows where `space` (the hop's announcement or steps
-        session) has room for them."""
+        session) has room for them. `from_link`: the wave came over the relay link (StationLock.run's `waits`)."""
         st, rows_out = self.station, self._rows_out(space, entries)
-        return self.lock.run(lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, rows_out=rows_out))
+        return self.lock.run(lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, rows_out=rows_out),
+                             waits=from_link)
 
     def _first_step(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, space: Announced | StepsCall | None
                     ) -> tuple[StationOutput, pb.KVUsage]:

@@ -49,16 +49,19 @@ class StationLock:
         self._queued: list[int] = []  # seq ids released while a call held the lock, applied before it lets go
         self.queued_releases = 0  # releases queued so far (not waited for)
 
-    def run(self, fn: Callable[[], _R]) -> tuple[_R, pb.KVUsage]:
+    def run(self, fn: Callable[[], _R], *, waits: bool = False) -> tuple[_R, pb.KVUsage]:
         """fn() holding the lock, and the KV occupancy after it and after any release queued meanwhile;
-        StationBusy when `max_pending` calls already hold or wait for it."""
-        if not self._pending.acquire(blocking=False):
+        StationBusy when `max_pending` calls already hold or wait for it. `waits`: wait for the lock however many
+        calls wait, and count in none of them (a relay link's call: their number is bounded by the link's
+        connections, each served on a thread of its own, where the bound keeps gRPC workers free)."""
+        if not waits and not self._pending.acquire(blocking=False):
             raise StationBusy(f"station busy: {self._max_pending} calls already hold or wait for it")
         try:
             self._lock.acquire()
             return self._under_lock(fn)
         finally:
-            self._pending.release()
+            if not waits:
+                self._pending.release()
 
     def release(self, seq_ids: Sequence[int], queue_if_busy: bool) -> tuple[int, pb.KVUsage | None]:
         """Free these sequences' KV: how many were resident and the KV occupancy after; with `queue_if_busy`, where

@@ -70,7 +70,9 @@ def _run(model_dir, servers, hidden_path, prompts, params, tls=None, decode_step
                                     decode_steps=decode_steps, reply_steps=reply_steps))
     try:
         streams = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
-        tokens = [s.result(timeout=120)[0].token_ids for s in streams]
+        outs = [s.result(timeout=120)[0] for s in streams]
+        assert not any(o.error for o in outs), [o.error for o in outs if o.error]  # names a failed wave's cause
+        tokens = [o.token_ids for o in outs]
         assert engine.quiesce(30) and engine.stats().kv_bytes_used == 0
         assert all(s.servicer.station.kv.stats().blocks_used == 0 for s in servers)
         if waves is not None:

@@ -3,11 +3,14 @@ the same tokens as gRPC relays; it checks the token and mTLS; a bad frame gets a
 on serving; a late answer is a deadline, a gone station UNAVAILABLE."""
 from __future__ import annotations
 
+import gc
 import os
 import random
 import socket
 import struct
+import threading
 import time
+import weakref
 
 import grpc
 import pytest
@@ -202,6 +205,25 @@ def test_a_late_answer_is_a_deadline_and_a_stopped_station_unavailable(tiny_llam
     finally:
         client.close()
         server.stop(0)
+
+
+def test_a_stopped_link_frees_its_port_ends_its_accept_thread_and_is_let_go(tiny_llama):
+    """A process that stops a station (a test run, an embedding program) gets back its port, its threads and the
+    station's memory: nothing is left blocked in accept() holding the link, its servicer and the station's KV."""
+    def accepting() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "relay-link-accept"}
+    before = accepting()
+    server = start_server(Station(tiny_llama, StationSpec(layers=CHAINS[2][1])), token=TOKEN)
+    (thread,) = accepting() - before
+    link, port = weakref.ref(server.relay_link), server.relay_link.port
+    server.stop(0)
+    del server
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    with socket.create_server(("127.0.0.1", port)):  # the port is free again
+        pass
+    gc.collect()
+    assert link() is None
 
 
 def test_the_link_speaks_mutual_tls_only(tiny_llama, pki_files):

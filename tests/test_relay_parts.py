@@ -2,8 +2,11 @@
 one station on 2- and 3-station chains, one merged reply, and a part that fails failing the call."""
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
+import torch
 
 from mesh.core import config
 from mesh.core.config import StationSpec
@@ -14,6 +17,9 @@ from orchestrator.remote import RemoteLink
 from station import relay_parts
 from station.client import StationCallError
 from station.relay_parts import merge_part_replies, part_bounds
+from station.server import start_server
+from station.server_limits import ServerLimits
+from station.step import Station
 
 from test_relay import CHAINS, TOKEN, _run, chains, reference  # noqa: F401 - fixtures
 
@@ -81,3 +87,32 @@ def test_a_part_that_fails_fails_the_call_and_the_chain_goes_on(tiny_llama, chai
         for s in chains[2]:
             s.servicer.station.release([80, 81, 82, 83])
         first.close()
+
+
+@pytest.mark.parametrize("over_link", [True, False], ids=["link", "grpc"])
+def test_parts_wait_their_turn_at_a_slow_successor_that_takes_one_call(tiny_llama, monkeypatch, over_link):
+    """A successor that lets one call hold or wait for it (`max_pending` 1) and steps slowly: over its relay link
+    the three parts of a wave wait their turn there (the link's connections bound them); over gRPC, where each would
+    hold a worker, the wave goes whole. Either way the call succeeds, with one station's tokens."""
+    monkeypatch.setattr(config, "CPU_PART_ROWS", 2)
+    slow = Station(tiny_llama, StationSpec(layers=(2, 6)))
+    step = slow.forward
+
+    def slow_step(*args, **kwargs):
+        time.sleep(0.2)  # under the station lock: the next part arrives while this one holds it
+        return step(*args, **kwargs)
+    monkeypatch.setattr(slow, "forward", slow_step)
+    servers = [start_server(Station(tiny_llama, StationSpec(layers=(0, 2))), token=TOKEN, relay_link=over_link),
+               start_server(slow, limits=ServerLimits(max_pending=1), token=TOKEN, relay_link=over_link)]
+    first = RemoteLink(servers[0].address, timeout_s=30, token=TOKEN)
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    entries, ids = tuple(WaveEntry(90 + i, 0, 3, greedy) for i in range(3)), list(range(4, 13))
+    try:
+        reply = first.client.relay(1, entries, token_ids=ids, relay_to=[servers[1].address])
+        alone = Station(tiny_llama, StationSpec(layers=(0, 6))).forward(entries, token_ids=torch.tensor(ids))
+        assert [s.token_id for s in reply.output.samples] == [s.token_id for s in alone.samples]
+        assert servers[1].relay_link.requests == 3 if over_link else servers[1].relay_link is None
+    finally:
+        first.close()
+        for server in servers:
+            server.stop(0)
