@@ -31,11 +31,6 @@ def jobs(n=16, max_tokens=24):
     return prompts, params
 
 
-def reference(model_dir, prompts, params):
-    """Every request on one in-process full-model station that never changed (tests/reference.py)."""
-    return reference_tokens(model_dir, prompts, params)
-
-
 class _Injected(grpc.RpcError):
     def code(self):
         return grpc.StatusCode.UNAVAILABLE
@@ -71,7 +66,7 @@ class FaultInjector(grpc.UnaryUnaryClientInterceptor):
 
 def test_dropped_requests_and_responses_keep_every_token(tiny_llama):
     prompts, params = jobs()
-    ref = reference(tiny_llama, prompts, params)
+    ref = reference_tokens(tiny_llama, prompts, params)
     servers = [start_server(Station(tiny_llama, StationSpec(layers=r))) for r in ((0, 2), (2, 6))]
     injector = FaultInjector(0.04, 0.04, seed=7)
     links = []
@@ -149,7 +144,7 @@ def test_sigkill_station_mid_stream_recovers_every_token(local_ray, tiny_llama, 
     prompts, params = jobs(16, max_tokens=200)
     shared = [(13 * j) % 480 + 6 for j in range(48)]  # a prefix every prompt shares: cached blocks at the kill
     prompts = [p[:1] + shared + p[1:] for p in prompts]
-    ref = reference(tiny_llama, prompts, params)
+    ref = reference_tokens(tiny_llama, prompts, params)
     cluster = _cluster(tiny_llama, ranges=ranges, hidden_path=hidden_path, call_timeout_s=5, restart_timeout_s=60)
     try:
         assert cluster.engine.pipeline.hidden_path == hidden_path
@@ -173,7 +168,7 @@ def test_sigkill_station_mid_stream_recovers_every_token(local_ray, tiny_llama, 
 
 def test_sigstop_station_is_detected_and_restarted(local_ray, tiny_llama):
     prompts, params = jobs(8, max_tokens=200)
-    ref = reference(tiny_llama, prompts, params)
+    ref = reference_tokens(tiny_llama, prompts, params)
     call_timeout = 3.0
     cluster = _cluster(tiny_llama, call_timeout_s=call_timeout, restart_timeout_s=60)
     try:
@@ -200,7 +195,7 @@ def test_idle_hung_station_is_found_by_its_health_and_restarted(local_ray, tiny_
     """No request running: a stopped station is found by the health watch (period + call deadline),
     restarted, and the next request gets its reference tokens."""
     prompts, params = jobs(1, max_tokens=16)
-    ref = reference(tiny_llama, prompts, params)
+    ref = reference_tokens(tiny_llama, prompts, params)
     period, call_timeout = 1.0, 3.0
     cluster = _cluster(tiny_llama, call_timeout_s=call_timeout, restart_timeout_s=60, health_period_s=period)
     pid = _pid(cluster, 1)
@@ -277,7 +272,7 @@ def test_station_killed_again_while_restarting_is_waited_for_not_killed(local_ra
     from station.actor import actor_record
 
     prompts, params = _greedy_jobs(8, max_tokens=300)
-    ref = reference(tiny_llama, prompts, params)
+    ref = reference_tokens(tiny_llama, prompts, params)
     cluster = _cluster(tiny_llama, call_timeout_s=5, restart_timeout_s=120, health_period_s=2, max_restarts=3)
     try:
         handle = cluster._actors[cluster.specs[1]]
@@ -303,7 +298,7 @@ def test_station_with_no_restarts_left_is_replaced_and_requests_complete(local_r
     from station.actor import actor_state
 
     prompts, params = _greedy_jobs(4, max_tokens=200)
-    ref = reference(tiny_llama, prompts, params)
+    ref = reference_tokens(tiny_llama, prompts, params)
     cluster = _cluster(tiny_llama, call_timeout_s=3, restart_timeout_s=120, max_restarts=0)
     try:
         handle = cluster._actors[cluster.specs[1]]

@@ -19,10 +19,6 @@ def _jobs(n, max_tokens=12):
     return prompts, params
 
 
-def _reference(model_dir, prompts, params):
-    return reference_tokens(model_dir, prompts, params)
-
-
 def _cluster(model_dir, ranges, hidden_path="direct", decode_steps=4):
     cfg = MeshConfig(model=ModelSource(path=str(model_dir)),
                      stations=tuple(StationSpec(layers=r) for r in ranges),
@@ -36,7 +32,7 @@ def _cluster(model_dir, ranges, hidden_path="direct", decode_steps=4):
 @pytest.mark.parametrize("ranges", [((0, 6),), ((0, 2), (2, 6)), ((0, 1), (1, 4), (4, 6))])
 def test_stations_over_grpc_match_in_process(local_ray, tiny_llama, ranges):
     prompts, params = _jobs(8)
-    reference = _reference(tiny_llama, prompts, params)
+    reference = reference_tokens(tiny_llama, prompts, params)
     cluster = _cluster(tiny_llama, ranges)
     try:
         streams = [cluster.engine.submit(p, sp) for p, sp in zip(prompts, params)]
@@ -58,7 +54,7 @@ def test_scale_while_serving_keeps_every_token(local_ray, tiny_llama, hidden_pat
     """1 -> 3 -> 1 -> 2 stations while 8 requests stream: every token equals the never-changed reference, with
     hidden rows station to station (direct) or through the orchestrator (hub)."""
     prompts, params = _jobs(8, max_tokens=960)  # the most the context (1024) holds: each switch while they stream
-    reference = _reference(tiny_llama, prompts, params)
+    reference = reference_tokens(tiny_llama, prompts, params)
     # one decode step per call, so the one-station phases go no faster than the switches need (several steps per
     # call through route switches: tests/test_route_catchup.py's 1 -> 2 -> 3 -> 1)
     cluster = _cluster(tiny_llama, ((0, 6),), hidden_path, decode_steps=1)
@@ -115,6 +111,6 @@ def test_impossible_placement_is_refused_at_once_and_starts_nothing(local_ray, t
         assert alive() == before and len(cluster._actors) == 1
         prompts, params = _jobs(2)
         assert [o.token_ids for s in [cluster.engine.submit(p, sp) for p, sp in zip(prompts, params)]
-                for o in s.result(timeout=120)] == _reference(tiny_llama, prompts, params)
+                for o in s.result(timeout=120)] == reference_tokens(tiny_llama, prompts, params)
     finally:
         cluster.stop()
