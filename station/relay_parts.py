@@ -11,7 +11,9 @@ same), its own announcement and relay; the replies are merged into the one the c
 
 Only waves of at least twice a station's `relay_part_rows` are cut (mesh.core.config.StationSpec; a part re-reads
 every weight, which a prompt wave's rows amortize on a CPU from ~48 rows on and a decode wave's do not; on CUDA a
-step re-reads its weights for far more rows at little cost, so a GPU station does not cut unless told to).
+step re-reads its weights for far more rows at little cost, so a GPU station does not cut unless told to), and only
+toward a successor on its relay link, whose calls wait for its station lock unrefused: a faster station's parts queue
+there (over gRPC each would hold one of the successor's workers, and its `max_pending` would refuse the surplus).
 """
 from __future__ import annotations
 
