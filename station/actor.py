@@ -31,7 +31,7 @@ from station.metrics import StationMetrics
 from station.kv import DEFAULT_BLOCK_TOKENS
 from station.probe import ProbeConfig
 from station.server import ServerLimits, start_server
-from station.servicer import info_reply
+from station.replies import info_reply
 from station.step import Station
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")

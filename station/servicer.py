@@ -36,14 +36,14 @@ from mesh.core.wire import (decode_entries, decode_forward, decode_relay, decode
 from mesh.core.wire_tensor import WireError, tensor_to_proto
 from mesh.core.wire_kv import decode_export, decode_import
 from station.interceptors import WireBytes
-from station.kv import KVBudgetError
-from station.relay import RelayError, Successors, onward_request
+from station.relay import Successors, onward_request
 from station.relay_link_client import Announced, StepsCall
 from station.relay_parts import part_bounds, relay_in_parts
 from station.relay_steps import relay_step_replies
+from station.replies import failure_status, info_reply
 from station.server_limits import ServerLimits
-from station.station_lock import StationBusy, StationLock
-from station.step import Station, StepError
+from station.station_lock import StationLock
+from station.step import Station
 from station.step_hops import open_step_hop
 from station.step_replies import RunningSteps, local_step_replies
 from station.steps_session import RefusedSession, Session, StepsSession
@@ -310,27 +310,3 @@ class StationServicer(station_pb2_grpc.StationServicer):
         return self._guarded(context, "Info", lambda: info_reply(self.station, self.metrics_address,
                                                                  self.relay_port))
 
-
-def failure_status(err: Exception, method: str) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a failed call answers with (module docstring's table)."""
-    if isinstance(err, (WireError, StepError)):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
-    if isinstance(err, (KVBudgetError, StationBusy)):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
-    if isinstance(err, RelayError):  # the successor's own status, handed on
-        return err.code, str(err)
-    log.error("%s failed unexpectedly", method, exc_info=err)  # a bug must cost one call, not the server
-    return grpc.StatusCode.INTERNAL, f"{method}: {type(err).__name__}: {err}"
-
-
-def info_reply(station: Station, metrics_address: str = "", relay_port: int = 0) -> pb.InfoReply:
-    """The InfoReply of a station: layer range, shape, dtype, KV occupancy, and its relay link's port (0: none)."""
-    stats, cfg, spec = station.stats(), station.config, station.spec
-    return pb.InfoReply(
-        model=station.model_dir.name, layer_start=spec.start, layer_end=spec.end,
-        num_layers=cfg.num_hidden_layers, device=spec.device, dtype=spec.dtype,
-        kv_bytes_used=stats.kv.bytes_used, kv_bytes_total=stats.kv.bytes_total, sequences=stats.kv.sequences,
-        block_tokens=stats.kv.block_tokens, kv_blocks_total=stats.kv.blocks_total,
-        kv_blocks_used=stats.kv.blocks_used, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-        metrics_address=metrics_address, prefill_chunk_invariant=station.prefill_chunk_invariant,
-        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, relay_port=relay_port)
