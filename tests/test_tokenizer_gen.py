@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from tokenizers import Tokenizer
@@ -162,8 +163,6 @@ def _merges_recounted(word_counts, n_merges):
 def test_incremental_counts_merge_as_a_full_recount_does():
     """Runs of one letter (a pair of a symbol with itself overlaps its neighbours), repeats of two, and a token
     reached by two merge orders: the incremental pair counts pick the merges a full recount before each merge picks."""
-    import random
-
     rng = random.Random(5)
     words = ["aaaa", "aaa", "abab", "ababab", "baaab", "abcabc", "bcbcb", "cccc", "abc", "ca"]
     words += ["".join(rng.choice("abc") for _ in range(rng.randint(2, 9))) for _ in range(60)]
