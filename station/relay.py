@@ -226,12 +226,18 @@ class Successors:
                                                              vocab_size=vocab_size)
         return self._relayed(successor, send)
 
-    def session_step(self, call: StepsCall, successor: str, k: int, rows: torch.Tensor, time_left_s: float | None,
-                     meanwhile: Callable[[], object] | None = None) -> StepAnswer:
-        """Step `k` of an open session with `successor`: `rows` out, its answer back (`meanwhile()` run between);
+    def session_send(self, call: StepsCall, successor: str, k: int, rows: torch.Tensor, time_left_s: float | None
+                     ) -> None:
+        """Step `k`'s `rows` out to `successor` in an open session; RelayError on failure."""
+        timeout = self._timeout(time_left_s)
+        self._relayed(successor, lambda: call.client.send_step(call, k, tensor_bytes(rows), timeout))
+
+    def session_answer(self, call: StepsCall, successor: str, time_left_s: float | None,
+                       meanwhile: Callable[[], object] | None = None) -> StepAnswer:
+        """The answer to the step last sent in an open session with `successor` (`meanwhile()` run first);
         RelayError on failure, WireError for an answer that does not check."""
         timeout = self._timeout(time_left_s)
-        return self._relayed(successor, lambda: call.client.step(call, k, tensor_bytes(rows), timeout, meanwhile))
+        return self._relayed(successor, lambda: call.client.step_answer(call, timeout, meanwhile))
 
     def _timeout(self, time_left_s: float | None) -> float:
         return self._default_timeout_s if time_left_s is None else max(0.0, time_left_s)

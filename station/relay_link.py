@@ -246,20 +246,23 @@ class RelayLinkServer:
 
     def _step(self, conn: socket.socket, session: Session, body: bytearray, rows: bytearray | memoryview | None,
               seconds: float) -> Session | None:
-        """Answer one STEP of `session`: STEP_REPLY, or an ERROR that ends the session (None then returned)."""
+        """Answer one STEP of `session`: STEP_REPLY (sent by the session, from the compute thread where the step
+        answers at once), or an ERROR that ends the session (None then returned)."""
         self._wire.add("in", len(body) + (len(rows) if rows is not None else 0))
         deadline = time.monotonic() + seconds if seconds > 0 else None
+
+        def send(answer: bytes) -> None:
+            conn.sendall(frame(STEP_REPLY, answer))
+            self._wire.add("out", len(answer))
         outcome = (session.step(STEP_INDEX.unpack(body)[0], rows,
-                                lambda: None if deadline is None else deadline - time.monotonic())
+                                lambda: None if deadline is None else deadline - time.monotonic(), send)
                    if len(body) == STEP_INDEX.size else
                    (grpc.StatusCode.INVALID_ARGUMENT, f"step: a {len(body)}-byte index, expected {STEP_INDEX.size}"))
-        if isinstance(outcome, tuple):
+        if outcome is not None:
             code, message = outcome
             conn.sendall(frame(ERROR, message.encode(errors="replace"), status=code.value[0]))
             session.close()
             return None
-        self._wire.add("out", len(outcome))
-        conn.sendall(frame(STEP_REPLY, outcome))
         session.ahead()
         return session
 

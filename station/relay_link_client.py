@@ -53,7 +53,8 @@ class Announced:
 @dataclass(frozen=True, slots=True)
 class StepsCall:
     """An open steps session (RelayLinkClient.open_steps): the connection it holds, its rows' segment, and what its
-    answers are checked against. `client.step` runs each step; `client.finish` or `client.abandon` ends it."""
+    answers are checked against. `client.send_step` sends each step and `client.step_answer` reads its answer;
+    `client.finish` or `client.abandon` ends it."""
 
     client: RelayLinkClient
     conn: socket.socket
@@ -62,7 +63,7 @@ class StepsCall:
     vocab_size: int
 
     def rows_space(self, nbytes: int) -> memoryview | None:
-        """Where a step's `nbytes` of rows may be put before `client.step` (as Announced.rows_space)."""
+        """Where a step's `nbytes` of rows may be put before `client.send_step` (as Announced.rows_space)."""
         return segment_space(self.segment, nbytes)
 
 
@@ -214,16 +215,25 @@ class RelayLinkClient:
         self._wire.add("out", sent)
         return StepsCall(self, conn, segment, n_entries, vocab_size)
 
-    def step(self, call: StepsCall, k: int, rows: memoryview, timeout_s: float,
-             meanwhile: Callable[[], object] | None = None) -> StepAnswer:
-        """Step `k` of an open session: its rows to the station, its answer back (checked; `meanwhile()` runs while
-        the station computes); LinkError as `forward`, WireError for an answer that does not check (the session's
-        connection closed after either)."""
+    def send_step(self, call: StepsCall, k: int, rows: memoryview, timeout_s: float) -> None:
+        """Step `k` of an open session: its rows to the station (`step_answer` reads its answer); LinkError as
+        `forward` (the session's connection closed after it)."""
         deadline = time.monotonic() + timeout_s
         conn, segment = call.conn, call.segment
         try:
             self._send(conn, segment, STEP, STEP_INDEX.pack(k), rows, deadline)
-            self._wire.add("out", STEP_INDEX.size + rows.nbytes)
+        except (LinkError, OSError, ValueError) as err:
+            raise self._failed(conn, segment, err) from None
+        self._wire.add("out", STEP_INDEX.size + rows.nbytes)
+
+    def step_answer(self, call: StepsCall, timeout_s: float, meanwhile: Callable[[], object] | None = None
+                    ) -> StepAnswer:
+        """The answer to the step last sent in an open session (checked; `meanwhile()` runs first, while the
+        station computes); LinkError as `forward`, WireError for an answer that does not check (the session's
+        connection closed after either)."""
+        deadline = time.monotonic() + timeout_s
+        conn, segment = call.conn, call.segment
+        try:
             if meanwhile is not None:
                 meanwhile()
             body = self._expect_reply(conn, deadline, STEP_REPLY)

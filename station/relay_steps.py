@@ -25,8 +25,10 @@ from station.step_hops import open_step_hop, step_before_hop
 from station.step_replies import never
 
 # one step of this station on a wave's entries and token ids, given where its rows may be put (`rows_space` of the
-# hop's announcement or session, None: anywhere), and its KV report
-StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor, Announced | StepsCall | None],
+# hop's announcement or session, None: anywhere), calling `then(out, kv)` as soon as it ends (before the station's
+# next step: the rows' hop.put); its output and KV report
+AfterStep = Callable[[StationOutput, pb.KVUsage], object]
+StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor, Announced | StepsCall | None, AfterStep],
                       tuple[StationOutput, pb.KVUsage]]
 
 
@@ -71,9 +73,10 @@ def relay_step_replies(successors: Successors, wave_id: int, entries: tuple[Wave
                        time_left_s: Callable[[], float | None], *, block_tokens: int, vocab_size: int,
                        per_reply: int, ended: Callable[[], bool] = never) -> Iterator[pb.ForwardReply]:
     """`steps` decode steps of a wave at the first station of a chain, one reply per `per_reply` steps as their
-    samples come back: each step runs here (`run_step`: this station's step and KV report, under its lock; its rows
-    where the hop has room for them) and goes through `relay_to`; the ids that come back are the next step's token
-    ids. No step starts once `ended()` (the call was ended early)."""
+    samples come back: each step runs here (`run_step`: this station's step and KV report, under its lock, its rows
+    where the hop has room for them) and goes through `relay_to` (`hop.put` on the compute thread as soon as the step
+    ends); the ids that come back are the next step's token ids. No step starts once `ended()` (the call was ended
+    early)."""
     if (problem := decode_steps_problem(entries, steps, block_tokens)) is not None:
         raise WireError(problem)
     hop = open_step_hop(successors, wave_id, entries, steps, relay_to, time_left_s(), vocab_size)
@@ -87,8 +90,9 @@ def relay_step_replies(successors: Successors, wave_id: int, entries: tuple[Wave
             if k and ended():
                 break
             step = upcoming.pop()
-            out, kv = step_before_hop(hop, k, step, time_left_s, lambda space: run_step(step, token_ids, space))
-            answer = hop.send(k, out, time_left_s, ahead(k))
+            out, kv = step_before_hop(hop, k, step, time_left_s, lambda space: run_step(
+                step, token_ids, space, lambda out, _: hop.put(k, out, time_left_s)))
+            answer = hop.answer(k, out, time_left_s, ahead(k))
             token_ids = torch.from_numpy(answer.ids.astype(np.int64))  # [K]
             chunk.add(out.seconds, kv, answer)
             if chunk.steps == per_reply:

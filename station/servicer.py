@@ -39,7 +39,7 @@ from station.interceptors import WireBytes
 from station.relay import Successors, onward_request
 from station.relay_link_client import Announced, StepsCall
 from station.relay_parts import part_bounds, relay_in_parts
-from station.relay_steps import relay_step_replies
+from station.relay_steps import AfterStep, relay_step_replies
 from station.replies import failure_status, info_reply
 from station.server_limits import ServerLimits
 from station.station_lock import StationLock
@@ -163,8 +163,8 @@ class StationServicer(station_pb2_grpc.StationServicer):
         except Exception as err:  # noqa: BLE001 - failure_status maps every class, a bug to INTERNAL
             return RefusedSession(*failure_status(err, "Steps"))
         return StepsSession(entries, steps, bt, hidden_size=st.config.hidden_size, dtype=st.spec.dtype,
-                            run=lambda entries, hidden, space: self._relaying_step(entries, space, hidden=hidden,
-                                                                                   from_link=True),
+                            run=lambda entries, hidden, space, then: self._relaying_step(
+                                entries, space, hidden=hidden, from_link=True, then=then),
                             failure=lambda err: failure_status(err, "Steps"), hop=hop)
 
     def forward_answer(self, request: pb.ForwardRequest, time_remaining: Callable[[], float | None],
@@ -249,18 +249,24 @@ class StationServicer(station_pb2_grpc.StationServicer):
 
     def _relaying_step(self, entries: tuple[WaveEntry, ...], space: Announced | StepsCall | None, *,
                        token_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
-                       from_link: bool = False) -> tuple[StationOutput, pb.KVUsage]:
-        """This station's step on a wave whose rows go on to its successor, under the station lock (let go before
-        they travel, so other waves compute meanwhile); its rows where `space` (the hop's announcement or steps
-        session) has room for them. `from_link`: the wave came over the relay link (StationLock.run's `waits`)."""
+                       from_link: bool = False, then: AfterStep | None = None) -> tuple[StationOutput, pb.KVUsage]:
+        """This station's step on a wave whose rows go on to its successor (or a session's last station's step),
+        under the station lock (let go before they travel, so other waves compute meanwhile); its rows where `space`
+        (the hop's announcement or steps session) has room for them. `from_link`: the wave came over the relay link
+        (StationLock.run's `waits`). `then(out, kv)`: a decode step's hand-on, run on the compute thread as soon as
+        the step ends (the lock taken there in the step's turn: StationLock.queued)."""
         st, rows_out = self.station, self._rows_out(space, entries)
-        return self.lock.run(lambda: st.forward(entries, token_ids=token_ids, hidden=hidden, rows_out=rows_out),
-                             waits=from_link)
 
-    def _first_step(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, space: Announced | StepsCall | None
-                    ) -> tuple[StationOutput, pb.KVUsage]:
+        def step() -> StationOutput:
+            return st.forward(entries, token_ids=token_ids, hidden=hidden, rows_out=rows_out)
+        if then is not None:
+            return self.lock.queued(step, then, waits=from_link)
+        return self.lock.run(step, waits=from_link)
+
+    def _first_step(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor, space: Announced | StepsCall | None,
+                    then: AfterStep) -> tuple[StationOutput, pb.KVUsage]:
         """One step of a several-step relayed wave at the first station (station.relay_steps' StepRunner)."""
-        return self._relaying_step(entries, space, token_ids=token_ids)
+        return self._relaying_step(entries, space, token_ids=token_ids, then=then)
 
     def _rows_out(self, announced: Announced | StepsCall | None, entries: tuple[WaveEntry, ...]
                   ) -> torch.Tensor | None:

@@ -9,6 +9,14 @@ step under way (on a direct chain the one dispatcher sends every station's relea
 
 The hand-over is race-free: a release queues only while holding the queue's own lock and seeing the station lock
 held, and a holder lets go of the station lock only while holding the queue's lock and seeing the queue empty.
+
+A call may also take the lock in its turn on the compute thread (`queued`: a relay chain's decode steps). A call that
+takes it on its own thread then hands it on through three threads' wake-ups (the compute thread's result to the
+caller, the caller's let-go to the next caller, that caller's step to the compute thread) while the station's core
+sits idle; and the step's rows or samples go on only once the caller has the core again, behind the next step (on a
+1-core station). A queued call is already waiting in the compute thread's queue when the step before ends, and sends
+its output from there (`then`) before the next step starts. It never blocks the compute thread: where another thread
+holds the lock (whose own work waits in that queue), it is put off and posted again when that thread lets go.
 """
 from __future__ import annotations
 
@@ -16,8 +24,10 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import TypeVar
 
+from mesh.core.compute import compute_thread
 from mesh.core.proto import station_pb2 as pb
 from station.step import Station
 
@@ -47,6 +57,7 @@ class StationLock:
         self._lock = threading.Lock()
         self._queue_lock = threading.Lock()
         self._queued: list[int] = []  # seq ids released while a call held the lock, applied before it lets go
+        self._put_off: list[Callable[[], None]] = []  # queued calls that found the lock held, posted at its let-go
         self.queued_releases = 0  # releases queued so far (not waited for)
 
     def run(self, fn: Callable[[], _R], *, waits: bool = False) -> tuple[_R, pb.KVUsage]:
@@ -62,6 +73,35 @@ class StationLock:
         finally:
             if not waits:
                 self._pending.release()
+
+    def queued(self, fn: Callable[[], _R], then: Callable[[_R, pb.KVUsage], object], *, waits: bool = False
+               ) -> tuple[_R, pb.KVUsage]:
+        """fn() holding the lock, taken in its turn on the compute thread (module docstring), then `then(result, kv)`
+        there at once, before the compute thread's next call; fn's result and the KV occupancy after it, as `run`
+        (what fn or `then` raises is raised here). StationBusy and `waits` as `run`."""
+        if not waits and not self._pending.acquire(blocking=False):
+            raise StationBusy(f"station busy: {self._max_pending} calls already hold or wait for it")
+        try:
+            done: Future = Future()
+            compute_thread().post(lambda: self._in_turn(fn, then, done))
+            return done.result()
+        finally:
+            if not waits:
+                self._pending.release()
+
+    def _in_turn(self, fn: Callable[[], _R], then: Callable[[_R, pb.KVUsage], object], done: Future) -> None:
+        """A queued call on the compute thread: the lock, fn(), the let-go, then(); put off where it is held."""
+        with self._queue_lock:
+            if not self._lock.acquire(blocking=False):
+                self._put_off.append(lambda: self._in_turn(fn, then, done))
+                return
+        try:
+            result, kv = self._under_lock(fn)
+            then(result, kv)
+        except BaseException as err:  # noqa: BLE001 - handed to the caller, which re-raises it
+            done.set_exception(err)
+            return
+        done.set_result((result, kv))
 
     def release(self, seq_ids: Sequence[int], queue_if_busy: bool) -> tuple[int, pb.KVUsage | None]:
         """Free these sequences' KV: how many were resident and the KV occupancy after; with `queue_if_busy`, where
@@ -105,14 +145,18 @@ class StationLock:
         return result, self._let_go()
 
     def _let_go(self) -> pb.KVUsage:
-        """Apply every queued release, then let go of the lock; the KV occupancy at that moment (a few counters)."""
+        """Apply every queued release, then let go of the lock (and post the calls put off meanwhile); the KV
+        occupancy at that moment (a few counters)."""
         while True:
             with self._queue_lock:
                 if not self._queued:
                     try:
                         return kv_usage_proto(self._station)
-                    finally:  # under the queue lock: a release that saw the lock held has queued by now
+                    finally:  # under the queue lock: a release or a queued call that saw the lock held is in by now
                         self._lock.release()
+                        put_off, self._put_off = self._put_off, []
+                        for call in put_off:
+                            compute_thread().post(call)
                 seq_ids, self._queued = self._queued, []
             try:
                 self._station.release(seq_ids)

@@ -6,8 +6,9 @@ successor the wave once and then only each step's rows and index, its answer a S
 otherwise each step goes as a whole one-step request (RequestHop: announced before the step where the link takes
 announcements, else a gRPC Forward call) and its reply is read as a StepAnswer. Either way the relaying station runs
 
-    out, kv = step_before_hop(hop, k, entries, time_left, run)  # its own step, rows where the hop has room
-    answer = hop.send(k, out)        # rows out; the reports of every station after, the sampled ids, the samples
+    out, kv = step_before_hop(hop, k, entries, time_left, run)  # its own step, rows where the hop has room; `run`
+                                     # calls hop.put(k, out, time_left) right after it, on the compute thread
+    answer = hop.answer(k, out, time_left)  # the reports of every station after, the sampled ids, the samples
 
 and `hop.finish()` once the wave's last step has been answered (`abandon` when a step failed or the call ends).
 """
@@ -36,10 +37,15 @@ class StepHop(Protocol):
     def begin(self, k: int, entries: tuple[WaveEntry, ...], time_left: TimeLeft) -> Announced | StepsCall | None:
         """Before step `k`'s own step: where its rows may be put (`rows_space`), None: anywhere."""
 
-    def send(self, k: int, out: StationOutput, time_left: TimeLeft, meanwhile: Callable[[], object] | None = None
-             ) -> StepAnswer:
-        """Step `k`'s rows out and the answer back (the first report's call seconds measured here); `meanwhile()`
-        runs while the stations after compute. RelayError on failure, WireError for an answer that does not check."""
+    def put(self, k: int, out: StationOutput, time_left: TimeLeft) -> None:
+        """Step `k`'s rows out, as soon as the step ends (where the hop sends them alone: with `answer` otherwise).
+        RelayError on failure."""
+
+    def answer(self, k: int, out: StationOutput, time_left: TimeLeft, meanwhile: Callable[[], object] | None = None
+               ) -> StepAnswer:
+        """Step `k`'s answer (its rows sent first where `put` did not; the first report's call seconds measured from
+        the rows' sending); `meanwhile()` runs while the stations after compute. RelayError on failure, WireError
+        for an answer that does not check."""
 
     def abandon(self) -> None:
         """The wave stops before its last step (a step failed, the call ended): what is held is let go."""
@@ -54,22 +60,30 @@ class SessionHop:
     def __init__(self, successors: Successors, successor: str, call: StepsCall) -> None:
         self._successors, self._successor, self._call = successors, successor, call
         self._open = True
+        self._sent_at = 0.0  # when the last step's rows went out
 
     def begin(self, k: int, entries: tuple[WaveEntry, ...], time_left: TimeLeft) -> StepsCall:
         return self._call
 
-    def send(self, k: int, out: StationOutput, time_left: TimeLeft, meanwhile: Callable[[], object] | None = None
-             ) -> StepAnswer:
+    def put(self, k: int, out: StationOutput, time_left: TimeLeft) -> None:
         if out.hidden is None:
             raise RelayError(grpc.StatusCode.INVALID_ARGUMENT, "relay_to: this station samples (it holds the last "
                              "layer); there is nothing to relay")
-        started = time.perf_counter()
+        self._sent_at = time.perf_counter()
         try:
-            answer = self._successors.session_step(self._call, self._successor, k, out.hidden, time_left(), meanwhile)
+            self._successors.session_send(self._call, self._successor, k, out.hidden, time_left())
         except BaseException:
             self._open = False  # the client closed the session's connection
             raise
-        first = answer.hops[0]._replace(call_seconds=time.perf_counter() - started)
+
+    def answer(self, k: int, out: StationOutput, time_left: TimeLeft, meanwhile: Callable[[], object] | None = None
+               ) -> StepAnswer:
+        try:
+            answer = self._successors.session_answer(self._call, self._successor, time_left(), meanwhile)
+        except BaseException:
+            self._open = False
+            raise
+        first = answer.hops[0]._replace(call_seconds=time.perf_counter() - self._sent_at)
         return answer._replace(hops=(first, *answer.hops[1:]))
 
     def abandon(self) -> None:
@@ -97,8 +111,11 @@ class RequestHop:
         self._announced = self._successors.announce(self._onward, self._relay_to[0], time_left())
         return self._announced
 
-    def send(self, k: int, out: StationOutput, time_left: TimeLeft, meanwhile: Callable[[], object] | None = None
-             ) -> StepAnswer:
+    def put(self, k: int, out: StationOutput, time_left: TimeLeft) -> None:
+        return None  # the rows go with `answer`, a whole request's relay
+
+    def answer(self, k: int, out: StationOutput, time_left: TimeLeft, meanwhile: Callable[[], object] | None = None
+               ) -> StepAnswer:
         onward, announced, self._announced = self._onward, self._announced, None
         assert onward is not None, "send before begin"
         reply = self._successors.relay(onward, self._relay_to[0], out, pb.KVUsage(), time_left(), announced)
@@ -120,8 +137,8 @@ class RequestHop:
 
 def step_before_hop(hop: StepHop, k: int, entries: tuple[WaveEntry, ...], time_left: TimeLeft,
                     run: Callable[[Announced | StepsCall | None], _R]) -> _R:
-    """Step `k`'s own step at the relaying station, before its rows go through `hop`: `run(space)`, `space` where
-    the hop has room for the rows (`begin`); if it fails, what the hop holds is let go (`abandon`) and it raises."""
+    """Step `k`'s own step at the relaying station and its rows' `hop.put`: `run(space)`, `space` where the hop has
+    room for the rows (`begin`); if either fails, what the hop holds is let go (`abandon`) and it raises."""
     space = hop.begin(k, entries, time_left)
     try:
         return run(space)

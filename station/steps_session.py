@@ -8,7 +8,9 @@ station sends the wave once (STEPS: its entries as of its first step, its steps,
 the station checks it once, and each step after is its rows and index alone (STEP): the station derives the step's
 entries (each entry k positions on, as the first station does), runs its step under its lock and answers with fixed
 records and raw ids (STEP_REPLY, station.step_answers). A station that relays on opens its own session with its
-successor (station.step_hops), so every hop of the chain is one.
+successor (station.step_hops), so every hop of the chain is one. The step is taken in its turn on the compute thread
+(station.station_lock's `queued`), and what goes on right after it goes from there before the next step starts: the
+last station's answer, a relaying station's rows.
 
 What a session refuses, each answered at the step with an ERROR naming it, which ends the session: a STEPS request
 that does not check (entries, steps, a payload, a relay list it cannot serve), a step out of order or past the
@@ -36,17 +38,21 @@ from station.step_answers import own_report, pack_step_answer
 from station.step_hops import StepHop, step_before_hop
 
 Failure = Callable[[Exception], "tuple[grpc.StatusCode, str]"]  # a failed step's status and message
-Outcome = "bytes | tuple[grpc.StatusCode, str]"  # a STEP_REPLY body, or the status and message of an ERROR
-# the station's step on a session step's entries and rows, under its lock, its rows where the hop has room for them
-SessionStep = Callable[[tuple[WaveEntry, ...], torch.Tensor, Announced | StepsCall | None],
-                       tuple[StationOutput, pb.KVUsage]]
+Outcome = "tuple[grpc.StatusCode, str] | None"  # the status and message of an ERROR, None: answered (STEP_REPLY)
+AnswerSender = Callable[[bytes], None]  # puts a STEP_REPLY body on the session's connection
+# the station's step on a session step's entries and rows, under its lock, its rows where the hop has room for them,
+# `then(out, kv)` on the compute thread as soon as it ends
+SessionStep = Callable[[tuple[WaveEntry, ...], torch.Tensor, Announced | StepsCall | None,
+                        Callable[[StationOutput, pb.KVUsage], object]], tuple[StationOutput, pb.KVUsage]]
 
 
 class Session(Protocol):
     """What the relay link holds for a connection's session (StepsSession, or RefusedSession)."""
 
-    def step(self, k: int, rows: bytearray | memoryview | None, time_left: Callable[[], float | None]) -> Outcome:
-        """Answer step `k` of the wave with these rows: a STEP_REPLY body, or the status and message of an ERROR."""
+    def step(self, k: int, rows: bytearray | memoryview | None, time_left: Callable[[], float | None],
+             send: AnswerSender) -> Outcome:
+        """Answer step `k` of the wave with these rows: its STEP_REPLY body through `send` (None returned), or the
+        status and message of an ERROR."""
 
     def ahead(self) -> None:
         """Work for the next step done while the relaying station computes it (after the answer went out)."""
@@ -64,7 +70,8 @@ class RefusedSession:
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         self._outcome = (code, message)
 
-    def step(self, k: int, rows: bytearray | memoryview | None, time_left: Callable[[], float | None]) -> Outcome:
+    def step(self, k: int, rows: bytearray | memoryview | None, time_left: Callable[[], float | None],
+             send: AnswerSender) -> Outcome:
         return self._outcome
 
     def ahead(self) -> None:
@@ -89,23 +96,27 @@ class StepsSession:
         self._next = 0  # the step expected next
         self._upcoming: tuple[WaveEntry, ...] | None = decode_step_entries(entries, 0, block_tokens)
 
-    def step(self, k: int, rows: bytearray | memoryview | None, time_left: Callable[[], float | None]) -> Outcome:
+    def step(self, k: int, rows: bytearray | memoryview | None, time_left: Callable[[], float | None],
+             send: AnswerSender) -> Outcome:
         started = time.perf_counter()
         try:
             entries = self._step_entries(k)
             hidden = self._hidden(rows)  # [T, d]
             self._next = k + 1
-            if self._hop is None:  # the last station: its samples (every entry of a decode step samples)
-                out, kv = self._run(entries, hidden, None)
-                ids = np.fromiter((s.token_id for s in out.samples), dtype=np.int32, count=len(entries))
-                samples, after = samples_to_proto(out.samples).SerializeToString(), ()
-            else:
-                out, kv = step_before_hop(self._hop, k, entries, time_left,
-                                          lambda space: self._run(entries, hidden, space))
-                answer = self._hop.send(k, out, time_left)
-                ids, samples, after = answer.ids, answer.samples, answer.hops
-            return pack_step_answer((own_report(out.seconds, time.perf_counter() - started, kv), *after), ids,
-                                    samples)
+            if self._hop is None:  # the last station: its samples (every entry of a decode step samples), answered
+                def answer(out: StationOutput, kv: pb.KVUsage) -> None:  # on the compute thread, before its next step
+                    ids = np.fromiter((s.token_id for s in out.samples), dtype=np.int32, count=len(entries))
+                    send(pack_step_answer((own_report(out.seconds, time.perf_counter() - started, kv),), ids,
+                                          samples_to_proto(out.samples).SerializeToString()))
+                self._run(entries, hidden, None, answer)
+                return None
+            hop = self._hop
+            out, kv = step_before_hop(hop, k, entries, time_left, lambda space: self._run(
+                entries, hidden, space, lambda rows_out, _: hop.put(k, rows_out, time_left)))
+            got = hop.answer(k, out, time_left)
+            send(pack_step_answer((own_report(out.seconds, time.perf_counter() - started, kv), *got.hops), got.ids,
+                                  got.samples))
+            return None
         except Exception as err:  # noqa: BLE001 - `failure` maps every class, a bug to INTERNAL
             return self._failure(err)
 

@@ -13,6 +13,7 @@ compared with a station on equal terms (the Hugging Face baselines) runs here to
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -21,6 +22,7 @@ from typing import Any, Callable, TypeVar
 from mesh.core.allocator import keep_large_blocks
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 
 class ComputeThread:
@@ -40,9 +42,21 @@ class ComputeThread:
         self._inbox.put((done, fn, args, kwargs))
         return done.result()
 
+    def post(self, fn: Callable[[], object]) -> None:
+        """fn() on the compute thread after the calls already submitted, not waited for (from any thread, the
+        compute thread included: it runs after the call under way); fn hands on its own outcome (what it raises is
+        logged)."""
+        self._inbox.put((None, fn, (), {}))
+
     def _loop(self) -> None:
         while True:
             done, fn, args, kwargs = self._inbox.get()
+            if done is None:
+                try:
+                    fn()
+                except BaseException:  # noqa: BLE001 - a posted call reports its own outcome; this is a bug
+                    log.exception("a call posted to the compute thread raised")
+                continue
             try:
                 done.set_result(fn(*args, **kwargs))
             except BaseException as err:  # noqa: BLE001 - handed to the caller, which re-raises it
