@@ -103,6 +103,8 @@ class SimModel:
 class SimulatedStation:
     """What the gRPC servicer needs of a station, with the step replaced by a sleep (SIMULATED)."""
 
+    steps_on_compute_thread = False  # the modelled step sleeps on the calling thread
+
     def __init__(self, model: SimModel, layers: tuple[int, int], kv_blocks: int = 1 << 20) -> None:
         self.sim = model
         self.spec = StationSpec(layers=layers, dtype=model.dtype, relay_part_rows=0)  # a GPU model: whole waves

@@ -78,7 +78,13 @@ class StationLock:
                ) -> tuple[_R, pb.KVUsage]:
         """fn() holding the lock, taken in its turn on the compute thread (module docstring), then `then(result, kv)`
         there at once, before the compute thread's next call; fn's result and the KV occupancy after it, as `run`
-        (what fn or `then` raises is raised here). StationBusy and `waits` as `run`."""
+        (what fn or `then` raises is raised here). StationBusy and `waits` as `run`. A station whose steps do not
+        run on the compute thread (`steps_on_compute_thread` False: a SIMULATED one) takes the lock as `run` does,
+        `then` after it on the caller's thread."""
+        if not self._station.steps_on_compute_thread:
+            result, kv = self.run(fn, waits=waits)
+            then(result, kv)
+            return result, kv
         if not waits and not self._pending.acquire(blocking=False):
             raise StationBusy(f"station busy: {self._max_pending} calls already hold or wait for it")
         try:

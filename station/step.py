@@ -59,6 +59,8 @@ class Station:
     (mesh.core.compute), whichever thread calls them.
     """
 
+    steps_on_compute_thread = True  # so a relay chain's decode steps queue there (station.station_lock's `queued`)
+
     def __init__(self, model_dir: str | Path, spec: StationSpec, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(model_dir)

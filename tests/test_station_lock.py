@@ -19,7 +19,8 @@ WAIT_S = 10.0  # every wait in these tests is bounded
 class FakeStation:
     """What the lock reads of a station: its KV occupancy, and releases (counted as sequences held)."""
 
-    def __init__(self, sequences: int = 0) -> None:
+    def __init__(self, sequences: int = 0, steps_on_compute_thread: bool = True) -> None:
+        self.steps_on_compute_thread = steps_on_compute_thread
         self.sequences = sequences
         self.released: list[int] = []
 
@@ -74,6 +75,16 @@ def test_queued_calls_run_in_turn_on_the_compute_thread_each_handing_on_before_t
     assert [r for r, _ in results] == ["a", "b"] and all(kv.sequences == 3 for _, kv in results)
     assert [what for what, _ in seen] == ["a step", "a sent with 3 sequences", "b step", "b sent with 3 sequences"]
     assert {thread for _, thread in seen} == {"torch-compute"}
+
+
+def test_a_station_stepping_on_the_callers_thread_takes_the_lock_there_and_hands_on_after_it():
+    """A SIMULATED station sleeps its modelled step on the calling thread: no hop to the compute thread for it."""
+    lock, seen = StationLock(FakeStation(sequences=2, steps_on_compute_thread=False), max_pending=4), []
+    result, kv = lock.queued(lambda: seen.append(("step", threading.current_thread().name)) or "stepped",
+                             lambda result, kv: seen.append((f"{result} sent", threading.current_thread().name)))
+    here = threading.current_thread().name
+    assert (result, kv.sequences) == ("stepped", 2) and seen == [("step", here), ("stepped sent", here)]
+    assert lock.hold_within(WAIT_S, lambda: None)
 
 
 def test_a_lock_held_on_another_thread_puts_a_queued_call_off_without_blocking_the_compute_thread():
