@@ -109,7 +109,12 @@ class RowsSegment:
 
     def holds(self, rows: memoryview) -> bool:
         """True where `rows` is the segment's own memory from its first byte (nothing to copy)."""
-        return rows.nbytes <= self.size and np.frombuffer(rows, np.uint8).ctypes.data == self._address
+        return self.holds_at(np.frombuffer(rows, np.uint8).ctypes.data, rows.nbytes)
+
+    def holds_at(self, address: int, nbytes: int) -> bool:
+        """True where `nbytes` at `address` are the segment's own memory from its first byte (a tensor's
+        `data_ptr()`: checked without making a view of it)."""
+        return nbytes <= self.size and address == self._address
 
     def rows(self, n: int) -> memoryview:
         """The first `n` bytes of the segment, in place (writable: a tensor over them is the station's input, read

@@ -228,9 +228,13 @@ class Successors:
 
     def session_send(self, call: StepsCall, successor: str, k: int, rows: torch.Tensor, time_left_s: float | None
                      ) -> None:
-        """Step `k`'s `rows` out to `successor` in an open session; RelayError on failure."""
-        timeout = self._timeout(time_left_s)
-        self._relayed(successor, lambda: call.client.send_step(call, k, tensor_bytes(rows), timeout))
+        """Step `k`'s `rows` out to `successor` in an open session (where the step wrote them into the session's
+        segment, only the frame: no view of them made, no copy); RelayError on failure."""
+        timeout, nbytes = self._timeout(time_left_s), rows.numel() * rows.element_size()
+        if call.segment is not None and call.segment.holds_at(rows.data_ptr(), nbytes):
+            self._relayed(successor, lambda: call.client.send_step_in_place(call, k, nbytes, timeout))
+        else:
+            self._relayed(successor, lambda: call.client.send_step(call, k, tensor_bytes(rows), timeout))
 
     def session_answer(self, call: StepsCall, successor: str, time_left_s: float | None,
                        meanwhile: Callable[[], object] | None = None) -> StepAnswer:

@@ -226,6 +226,16 @@ class RelayLinkClient:
             raise self._failed(conn, segment, err) from None
         self._wire.add("out", STEP_INDEX.size + rows.nbytes)
 
+    def send_step_in_place(self, call: StepsCall, k: int, nbytes: int, timeout_s: float) -> None:
+        """Step `k` of an open session whose `nbytes` of rows the step wrote into the session's segment already
+        (`rows_space`): only the frame goes; LinkError as `send_step`."""
+        seconds = max(1e-3, timeout_s)
+        try:
+            call.conn.sendall(frame(STEP_SHM, STEP_INDEX.pack(k), seconds=seconds, rows_length=nbytes))
+        except OSError as err:
+            raise self._failed(call.conn, call.segment, err) from None
+        self._wire.add("out", STEP_INDEX.size + nbytes)
+
     def step_answer(self, call: StepsCall, timeout_s: float, meanwhile: Callable[[], object] | None = None
                     ) -> StepAnswer:
         """The answer to the step last sent in an open session (checked; `meanwhile()` runs first, while the

@@ -59,9 +59,10 @@ def test_a_chain_on_one_host_relays_its_rows_through_shared_memory(tiny_llama, r
     there by the relaying station's step itself (never copied in after), whole requests' and steps sessions' alike;
     by TCP none did; the tokens are one station's both ways, and no segment's name is left behind."""
     prompts, params, ref = reference
-    held: list[bool] = []  # for each write of rows into a segment: were they there already
-    holds = RowsSegment.holds
-    monkeypatch.setattr(RowsSegment, "holds", lambda self, rows: held.append(holds(self, rows)) or held[-1])
+    held: list[bool] = []  # for each hop's rows sent through a segment: were they there already
+    holds_at = RowsSegment.holds_at
+    monkeypatch.setattr(RowsSegment, "holds_at",
+                        lambda self, address, nbytes: held.append(holds_at(self, address, nbytes)) or held[-1])
     for shm in (True, False):
         servers = [start_server(Station(tiny_llama, StationSpec(layers=r)), token=TOKEN, relay_shm=shm)
                    for r in CHAINS[3]]
