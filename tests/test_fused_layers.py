@@ -135,3 +135,19 @@ def test_native_silu_mul_gives_a_value_the_same_bits_in_the_vector_loop_and_the_
         tail = torch.stack([native_silu_mul(torch.stack([x, u])[None])[0, 0] for x, u in zip(gate, up)])
         assert torch.equal(wide[:8].view(torch.int32), tail.view(torch.int32))
         assert torch.equal(wide[8:].view(torch.int32), tail[:5].view(torch.int32))
+
+
+@pytest.mark.parametrize("head_dim, base", [(64, 10000.0), (96, 100000.0), (128, 500000.0)])
+def test_the_rope_table_gives_the_bits_of_the_tables_made_per_wave(head_dim, base):
+    """The fused layers' cos / sin rows gathered from one table (grown as waves reach further) are rope_cos_sin's
+    for the wave's own positions, bit for bit: runs, single rows, scattered positions, before and after growing."""
+    from mesh.core.model.llama import RopeTable, rope_cos_sin
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    table, gen = RopeTable(inv_freq, max_positions=4096), torch.Generator().manual_seed(3)
+    waves = [torch.arange(0, 23), torch.tensor([23]), torch.arange(300, 316), torch.tensor([4095]),
+             torch.randint(0, 4096, (37,), generator=gen), torch.arange(1000, 1064), torch.tensor([0, 4095, 17])]
+    for positions in waves:
+        cos, sin = table.rows(positions)
+        want_cos, want_sin = rope_cos_sin(inv_freq, positions, torch.float32)
+        assert cos.shape == want_cos.shape == (len(positions), head_dim)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin), positions[:4]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mesh.core.model.kernels import native_rmsnorm, native_rope, native_silu_mul
-from mesh.core.model.llama import DecoderLayer, Linear, LlamaRange, rope_cos_sin
+from mesh.core.model.llama import DecoderLayer, Linear, LlamaRange, RopeTable
 from mesh.core.model.native import load_native
 from mesh.core.model.packed import PACK_TILE, PACKED_DTYPES, PACKED_FORMATS, packed_linear
 from mesh.core.model.quant_linear import KERNEL_CODES, quant_linear
@@ -91,6 +91,7 @@ class FusedLayers:
     def __init__(self, model: LlamaRange) -> None:
         cfg = model.cfg
         self.model = model  # holds the weights the table points at
+        self.rope = RopeTable(model.inv_freq, cfg.max_position_embeddings)  # a wave's cos / sin rows, gathered
         rows = [_row(layer) for layer in model.model.layers.values()]
         self.weights = torch.tensor(rows, dtype=torch.int64)  # [L, len(FIELDS)] addresses and formats
         self.shape = (cfg.hidden_size, len(rows), cfg.rms_norm_eps, cfg.num_attention_heads,
@@ -118,7 +119,7 @@ class FusedLayers:
         if seconds is not None and (seconds.dtype != torch.float64 or seconds.numel() != len(TIMED_PARTS)):
             raise ValueError(f"FusedLayers.run: seconds must be float64 [{len(TIMED_PARTS)}]")
         x = hidden.clone(memory_format=torch.contiguous_format)  # [T, d], updated in place by the layers
-        cos, sin = rope_cos_sin(self.model.inv_freq, positions, torch.float32)  # [T, D] each, as the model's
+        cos, sin = self.rope.rows(positions)  # [T, D] each, the model's rope_cos_sin bits
         self.lib.fused_layers_f32(x.data_ptr(), x.shape[0], d, layers, self.weights.data_ptr(), eps, heads, kv_heads,
                                   head_dim, inter, cos.data_ptr(), sin.data_ptr(), k_pool.data_ptr(),
                                   v_pool.data_ptr(), k_pool.stride(0), block_tokens, tables.data_ptr(),
