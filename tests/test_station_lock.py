@@ -41,21 +41,23 @@ def _hold_compute_thread() -> threading.Event:
     return free
 
 
-def _queue_in_order(calls, count: int, pool: ThreadPoolExecutor):
-    """Submit `calls` from threads of `pool`, one after another once each sits in the compute thread's queue."""
+def _queue_in_order(calls, pool: ThreadPoolExecutor, monkeypatch) -> list:
+    """Submit `calls` from threads of `pool`, each once the one before has posted its step to the compute thread."""
+    thread, posted = compute_thread(), threading.Semaphore(0)
+    post = thread.post
+
+    def counted(fn) -> None:
+        post(fn)
+        posted.release()
+    monkeypatch.setattr(thread, "post", counted)
     futures = []
     for call in calls:
-        before = compute_thread()._inbox.qsize()
         futures.append(pool.submit(call))
-        for _ in range(int(WAIT_S / 0.001)):
-            if compute_thread()._inbox.qsize() > before:
-                break
-            threading.Event().wait(0.001)
-    assert compute_thread()._inbox.qsize() >= count
+        assert posted.acquire(timeout=WAIT_S)
     return futures
 
 
-def test_queued_calls_run_in_turn_on_the_compute_thread_each_handing_on_before_the_next_starts():
+def test_queued_calls_run_in_turn_on_the_compute_thread_each_handing_on_before_the_next_starts(monkeypatch):
     lock, seen = StationLock(FakeStation(sequences=3), max_pending=4), []
 
     def call(name: str):
@@ -68,7 +70,7 @@ def test_queued_calls_run_in_turn_on_the_compute_thread_each_handing_on_before_t
         return lambda: lock.queued(step, then, waits=True)
     free = _hold_compute_thread()
     with ThreadPoolExecutor(2) as pool:
-        futures = _queue_in_order([call("a"), call("b")], 2, pool)
+        futures = _queue_in_order([call("a"), call("b")], pool, monkeypatch)
         assert seen == []
         free.set()
         results = [f.result(WAIT_S) for f in futures]
@@ -142,12 +144,12 @@ def test_what_a_queued_call_or_its_hand_on_raises_reaches_its_caller_and_the_loc
     assert lock.run(lambda: "the lock is free")[0] == "the lock is free"
 
 
-def test_queued_calls_beyond_max_pending_are_refused_unless_they_wait():
+def test_queued_calls_beyond_max_pending_are_refused_unless_they_wait(monkeypatch):
     lock = StationLock(FakeStation(), max_pending=1)
     free = _hold_compute_thread()
     try:
         with ThreadPoolExecutor(2) as pool:
-            first = _queue_in_order([lambda: lock.queued(lambda: "first", lambda r, kv: None)], 1, pool)[0]
+            first = _queue_in_order([lambda: lock.queued(lambda: "first", lambda r, kv: None)], pool, monkeypatch)[0]
             with pytest.raises(StationBusy, match="station busy: 1 calls"):
                 lock.queued(lambda: "refused", lambda r, kv: None)
             waiting = pool.submit(lock.queued, lambda: "waited", lambda r, kv: None, waits=True)
