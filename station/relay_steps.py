@@ -21,13 +21,12 @@ from mesh.core.wire_tensor import WireError
 from station.relay import RelayError, Successors
 from station.relay_link_client import Announced, StepsCall
 from station.step_answers import HopReport, StepAnswer, relay_hop
-from station.step_hops import open_step_hop, step_before_hop
+from station.step_hops import AfterStep, open_step_hop, step_before_hop
 from station.step_replies import never
 
 # one step of this station on a wave's entries and token ids, given where its rows may be put (`rows_space` of the
-# hop's announcement or session, None: anywhere), calling `then(out, kv)` as soon as it ends (before the station's
-# next step: the rows' hop.put); its output and KV report
-AfterStep = Callable[[StationOutput, pb.KVUsage], object]
+# hop's announcement or session, None: anywhere), calling `then(out, kv)` as soon as it ends (the rows' hop.put); its
+# output and KV report
 StepRunner = Callable[[tuple[WaveEntry, ...], torch.Tensor, Announced | StepsCall | None, AfterStep],
                       tuple[StationOutput, pb.KVUsage]]
 

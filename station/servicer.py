@@ -39,12 +39,12 @@ from station.interceptors import WireBytes
 from station.relay import Successors, onward_request
 from station.relay_link_client import Announced, StepsCall
 from station.relay_parts import part_bounds, relay_in_parts
-from station.relay_steps import AfterStep, relay_step_replies
+from station.relay_steps import relay_step_replies
 from station.replies import failure_status, info_reply
 from station.server_limits import ServerLimits
 from station.station_lock import StationLock
 from station.step import Station
-from station.step_hops import open_step_hop
+from station.step_hops import AfterStep, open_step_hop
 from station.step_replies import RunningSteps, local_step_replies
 from station.steps_session import RefusedSession, Session, StepsSession
 

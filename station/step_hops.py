@@ -28,6 +28,9 @@ from station.relay_link_client import Announced, StepsCall
 from station.step_answers import StepAnswer, answer_of_relayed
 
 TimeLeft = Callable[[], "float | None"]  # seconds left of the call the relaying station serves (None: no deadline)
+# what runs on the compute thread as soon as a step ends, before the station's next step (a hop's `put`, the last
+# station's answer): given the step's output and KV report
+AfterStep = Callable[[StationOutput, pb.KVUsage], object]
 _R = TypeVar("_R")
 
 

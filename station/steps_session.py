@@ -35,15 +35,15 @@ from mesh.core.wire import samples_to_proto
 from mesh.core.wire_tensor import WireError, all_finite
 from station.relay_link_client import Announced, StepsCall
 from station.step_answers import own_report, pack_step_answer
-from station.step_hops import StepHop, step_before_hop
+from station.step_hops import AfterStep, StepHop, step_before_hop
 
 Failure = Callable[[Exception], "tuple[grpc.StatusCode, str]"]  # a failed step's status and message
 Outcome = "tuple[grpc.StatusCode, str] | None"  # the status and message of an ERROR, None: answered (STEP_REPLY)
 AnswerSender = Callable[[bytes], None]  # puts a STEP_REPLY body on the session's connection
 # the station's step on a session step's entries and rows, under its lock, its rows where the hop has room for them,
 # `then(out, kv)` on the compute thread as soon as it ends
-SessionStep = Callable[[tuple[WaveEntry, ...], torch.Tensor, Announced | StepsCall | None,
-                        Callable[[StationOutput, pb.KVUsage], object]], tuple[StationOutput, pb.KVUsage]]
+SessionStep = Callable[[tuple[WaveEntry, ...], torch.Tensor, Announced | StepsCall | None, AfterStep],
+                       tuple[StationOutput, pb.KVUsage]]
 
 
 class Session(Protocol):
@@ -112,7 +112,7 @@ class StepsSession:
                 return None
             hop = self._hop
             out, kv = step_before_hop(hop, k, entries, time_left, lambda space: self._run(
-                entries, hidden, space, lambda rows_out, _: hop.put(k, rows_out, time_left)))
+                entries, hidden, space, lambda stepped, _: hop.put(k, stepped, time_left)))
             got = hop.answer(k, out, time_left)
             send(pack_step_answer((own_report(out.seconds, time.perf_counter() - started, kv), *got.hops), got.ids,
                                   got.samples))
