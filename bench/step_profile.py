@@ -2,8 +2,9 @@
 
 For a few decode waves at each batch size the station's linears, attention calls and sampling are wrapped with
 timers (the wrappers are installed for the measurement and removed after it; a station that runs its layers in
-one native call times its linears and attention inside C); "other" is the rest of the step (norms, RoPE, SiLU,
-residual adds, KV bookkeeping, validation, the embedding). torch's profiler then names the
+one native call times its linears and attention inside C, and the rest of that call, its norms, RoPE, SiLU and
+residual adds, is "native_other"); "other" is the rest of the step (on a station running that one call: the Python
+and torch ops around it, the KV bookkeeping, validation, the embedding, the RoPE tables). torch's profiler then names the
 largest of the other ops by self CPU time, so the next person sees the split without writing a script.
 """
 from __future__ import annotations
@@ -21,7 +22,8 @@ from mesh.core.wave import WaveEntry
 from station.native_attention import NativeWaveAttention
 from station.wave_attention import WaveAttention
 
-CATEGORIES = ("linears", "attention", "sampling")
+CATEGORIES = ("linears", "attention", "native_other", "sampling")
+NATIVE = {"linears": "linears", "attention": "attention", "other": "native_other"}  # TIMED_PARTS -> CATEGORIES
 
 
 def _timed(fn: Callable, totals: dict[str, float], key: str) -> Callable:
@@ -42,15 +44,15 @@ def _timed_inside(run_layers: Callable, totals: dict[str, float]) -> Callable:
             return run_layers(self, fused, hidden, positions, inside)
         finally:
             for key, value in zip(TIMED_PARTS, inside.tolist()):
-                if key in totals:
-                    totals[key] += value
+                totals[NATIVE[key]] += value
     return wrapper
 
 
 @contextmanager
 def timers(totals: dict[str, float]) -> Iterator[None]:
     """Time every Linear.forward, attention context's attend and sample_tokens call into `totals` while inside
-    (and, where a station runs its layers in one native call, that call's linears and attention, timed in C)."""
+    (and, where a station runs its layers in one native call, that call's linears, attention and the rest of it,
+    timed in C)."""
     saved = (Linear.forward, WaveAttention.attend, NativeWaveAttention.attend, NativeWaveAttention.run_layers,
              step_module.sample_tokens)
     Linear.forward = _timed(saved[0], totals, "linears")

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "step.py"
 
 
@@ -34,6 +36,12 @@ def test_bench_step_profile_splits_the_decode_step(tiny_llama):
         assert ms["linears"] > 0 and ms["attention"] > 0 and ms["sampling"] > 0
         # the timed calls lie inside the step, which also runs norms, RoPE and the embedding outside them
         assert ms["linears"] + ms["attention"] + ms["sampling"] < ms["step"] and ms["other"] > 0
+        # a station running its layers in one native call: that call's norms, RoPE and SiLU timed apart from the
+        # Python around it
+        assert ms["native_other"] >= 0 and sum(ms[k] for k in ("linears", "attention", "native_other", "sampling",
+                                                                "other")) == pytest.approx(ms["step"])
+        if figures["linear_backend"] == "packed":
+            assert ms["native_other"] > 0
 
 
 def test_bench_step_times_hf_at_the_batches_asked(tiny_llama):
