@@ -38,10 +38,10 @@ def _timed(fn: Callable, totals: dict[str, float], key: str) -> Callable:
 
 def _timed_inside(run_layers: Callable, totals: dict[str, float]) -> Callable:
     """run_layers with the native call's own timers on (its linears and attention, timed in C)."""
-    def wrapper(self, fused, hidden, positions, seconds=None):
+    def wrapper(self, fused, hidden, seconds=None, out=None):
         inside = torch.zeros(len(TIMED_PARTS), dtype=torch.float64)
         try:
-            return run_layers(self, fused, hidden, positions, inside)
+            return run_layers(self, fused, hidden, inside, out)
         finally:
             for key, value in zip(TIMED_PARTS, inside.tolist()):
                 totals[NATIVE[key]] += value

@@ -25,9 +25,12 @@ class NativeWaveAttention:
             row_table.extend([len(tables)] * e.n_tokens)
             tables.extend(kv.table(e.seq_id))
             row_pos.extend(range(e.start_pos, e.end_pos))
-        self.tables = torch.tensor(tables, dtype=torch.int64)  # every entry's block table, concatenated
-        self.row_table = torch.tensor(row_table, dtype=torch.int64)  # [T] where each row's table starts
-        self.row_pos = torch.tensor(row_pos, dtype=torch.int64)  # [T] each row's position
+        rows = len(row_pos)
+        flat = torch.tensor(row_pos + row_table + tables, dtype=torch.int64)  # one tensor made, three views of it
+        self.row_pos = flat[:rows]  # [T] each row's position
+        self.row_table = flat[rows:2 * rows]  # [T] where each row's table starts
+        self.tables = flat[2 * rows:]  # every entry's block table, concatenated
+        self.furthest = max(e.end_pos for e in entries) - 1  # the wave's largest position
         self.lib = load_native()[0]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -46,9 +49,10 @@ class NativeWaveAttention:
                                      out.data_ptr(), torch.get_num_threads())
         return out
 
-    def run_layers(self, fused: FusedLayers, hidden: torch.Tensor, positions: torch.Tensor,
-                   seconds: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [T, d] at positions [T] through every layer of the station in one native call (the same bits
-        as the model's forward with this context): -> hidden [T, d]."""
-        return fused.run(hidden, positions, self.kv.k, self.kv.v, self.kv.block_tokens, self.tables, self.row_table,
-                         self.row_pos, self.window, seconds)
+    def run_layers(self, fused: FusedLayers, hidden: torch.Tensor, seconds: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [T, d] at the rows' positions through every layer of the station in one native call (the same
+        bits as the model's forward with this context): -> hidden [T, d], computed in `out` where given
+        (FusedLayers.run)."""
+        return fused.run(hidden, self.row_pos, self.kv.k, self.kv.v, self.kv.block_tokens, self.tables,
+                         self.row_table, self.row_pos, self.window, seconds, out, self.furthest)

@@ -160,8 +160,8 @@ class Station:
         wall, t0 = time.time(), time.perf_counter()
         x = self._validate(entries, token_ids, hidden)
         with self.kv.growing(entries), torch.inference_mode():
-            out = self._compute(entries, x, want_logits)
-            if rows_out is not None:
+            out = self._compute(entries, x, want_logits, rows_out)
+            if rows_out is not None and out[0] is not rows_out:
                 rows_out.copy_(out[0])  # [T, d] into the successor's shared memory (from a GPU: its copy to the host)
                 out = (rows_out, None, None)
         seconds = time.perf_counter() - t0
@@ -172,19 +172,29 @@ class Station:
         self.timeline.record(wall, seconds, x.shape[0], len(entries))
         return StationOutput(out[0], out[1], seconds, out[2])
 
-    def _compute(self, entries: tuple[WaveEntry, ...], x: torch.Tensor, want_logits: bool):
-        positions = torch.tensor([p for e in entries for p in range(e.start_pos, e.end_pos)],
-                                 device=self.device)  # [T], int64
-        hidden = self.model.embed(x) if self.is_first else x  # [T, d]
-        ctx = (NativeWaveAttention(self.kv, self.spec.start, entries, self.config.sliding_window)
-               if self.linear_backend == "packed"  # the native float32 kernels (mesh.core.model.kernels)
-               else WaveAttention(self.kv, self.spec.start, entries, self.device, self.config.sliding_window))
+    def _compute(self, entries: tuple[WaveEntry, ...], x: torch.Tensor, want_logits: bool,
+                 rows_out: torch.Tensor | None = None):
+        if self.linear_backend == "packed":  # the native float32 kernels (mesh.core.model.kernels)
+            ctx = NativeWaveAttention(self.kv, self.spec.start, entries, self.config.sliding_window)
+            positions = ctx.row_pos  # [T], int64
+        else:
+            ctx = WaveAttention(self.kv, self.spec.start, entries, self.device, self.config.sliding_window)
+            positions = torch.tensor([p for e in entries for p in range(e.start_pos, e.end_pos)],
+                                     device=self.device)  # [T], int64
         if self.fused is not None and isinstance(ctx, NativeWaveAttention):
-            hidden = ctx.run_layers(self.fused, hidden, positions)  # [T, d], the model's bits in one C call
-        elif self.graphs is not None and (replayed := self.graphs.run(ctx, hidden, positions)) is not None:
+            # the rows computed where they go on (rows_out: the successor's shared memory), the embedding's in place
+            hidden = self.model.embed(x, rows_out) if self.is_first else x  # [T, d]
+            hidden = ctx.run_layers(self.fused, hidden, out=hidden if self.is_first else rows_out)  # one C call
+            return self._head(entries, hidden, want_logits)
+        hidden = self.model.embed(x) if self.is_first else x  # [T, d]
+        if self.graphs is not None and (replayed := self.graphs.run(ctx, hidden, positions)) is not None:
             hidden = replayed  # [T, d], the eager kernels' bits from one graph replay
         else:
             hidden = self.model(hidden, positions, ctx)  # [T, d]
+        return self._head(entries, hidden, want_logits)
+
+    def _head(self, entries: tuple[WaveEntry, ...], hidden: torch.Tensor, want_logits: bool):
+        """(hidden, None, None) from a station before the last; the last one's (None, samples, logits or None)."""
         if not self.is_last:
             return hidden, None, None
         last_rows, params, token_pos = [], [], []
@@ -197,7 +207,9 @@ class Station:
                 token_pos.append(e.end_pos)
         drawn, logits = iter(()), None
         if last_rows:
-            logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])  # [R, V]
+            if len(last_rows) < hidden.shape[0]:  # else every row samples (a decode step): no gather
+                hidden = hidden[torch.tensor(last_rows, device=self.device)]  # [R, d]
+            logits = self.model.logits(hidden)  # [R, V]
             drawn = iter(sample_tokens(logits, params, token_pos))
         samples = [next(drawn) if e.sample is not None else None for e in entries]
         return None, samples, (logits if want_logits else None)
@@ -211,8 +223,11 @@ class Station:
                 raise StepError("token_ids: the first station takes token ids, not hidden rows")
             if token_ids.dtype not in (torch.int64, torch.int32) or tuple(token_ids.shape) != (rows,):
                 raise StepError(f"token_ids: expected int64 [{rows}], got {token_ids.dtype} {list(token_ids.shape)}")
-            if rows and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.config.vocab_size):
+            ids = token_ids.tolist()  # one call, not a reduction or two: a decode step's rows are few
+            if rows and (min(ids) < 0 or max(ids) >= self.config.vocab_size):
                 raise StepError(f"token_ids: ids must lie in [0, {self.config.vocab_size})")
+            if token_ids.dtype == torch.long and token_ids.device == self.device:
+                return token_ids
             return token_ids.to(self.device, torch.long)
         if hidden is None or token_ids is not None:
             raise StepError(f"hidden: station [{self.spec.start}, {self.spec.end}) takes hidden rows, not token ids")

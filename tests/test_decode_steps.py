@@ -225,11 +225,11 @@ def test_a_failing_step_rolls_every_sequence_back(tiny_llama, monkeypatch):
     calls = []
     real = Station._compute
 
-    def third_fails(self, entries, x, want_logits):
+    def third_fails(self, entries, x, want_logits, rows_out=None):
         calls.append(len(calls))
         if len(calls) == 3:
             raise StepError("injected failure in step 3")
-        return real(self, entries, x, want_logits)
+        return real(self, entries, x, want_logits, rows_out)
 
     monkeypatch.setattr(Station, "_compute", third_fails)
     with pytest.raises(StepError, match="step 3"):

@@ -146,8 +146,8 @@ def test_the_rope_table_gives_the_bits_of_the_tables_made_per_wave(head_dim, bas
     table, gen = RopeTable(inv_freq, max_positions=4096), torch.Generator().manual_seed(3)
     waves = [torch.arange(0, 23), torch.tensor([23]), torch.arange(300, 316), torch.tensor([4095]),
              torch.randint(0, 4096, (37,), generator=gen), torch.arange(1000, 1064), torch.tensor([0, 4095, 17])]
-    for positions in waves:
-        cos, sin = table.rows(positions)
+    for i, positions in enumerate(waves):  # every other wave's furthest position told by the caller
+        cos, sin = table.rows(positions, int(positions.max()) if i % 2 else None)
         want_cos, want_sin = rope_cos_sin(inv_freq, positions, torch.float32)
         assert cos.shape == want_cos.shape == (len(positions), head_dim)
         assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin), positions[:4]

@@ -182,6 +182,11 @@ def test_rows_go_where_the_caller_puts_them(tiny_llama):
     space = torch.full((4, d), float("nan"))  # [T, d]
     out = first.forward(entry, token_ids=ids, rows_out=space)
     assert out.hidden is space and torch.equal(space, alone.forward(entry, token_ids=ids).hidden)
+    middle, middle_alone = (Station(tiny_llama, StationSpec(layers=(3, 5))) for _ in range(2))
+    rows, kept, onward = space.clone(), space.clone(), torch.full((4, d), float("nan"))
+    assert middle.forward(entry, hidden=rows, rows_out=onward).hidden is onward
+    assert torch.equal(rows, kept)  # its input rows are left as they came
+    assert torch.equal(onward, middle_alone.forward(entry, hidden=kept).hidden)
     last = Station(tiny_llama, StationSpec(layers=(3, L)))
     step = (WaveEntry(1, 4, 1),)
     for station, kw, words in [

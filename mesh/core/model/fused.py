@@ -105,11 +105,16 @@ class FusedLayers:
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
             block_tokens: int, tables: torch.Tensor, row_table: torch.Tensor, row_pos: torch.Tensor, window: int,
-            seconds: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [T, d] float32 at positions [T] through every layer -> new hidden [T, d] (the input is kept).
+            seconds: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            furthest: int | None = None) -> torch.Tensor:
+        """hidden [T, d] float32 at positions [T] through every layer -> new hidden [T, d] (the input is kept, unless
+        it is `out`).
 
         k_pool/v_pool [layers, blocks, KVH, BT, D]: the range's paged cache; tables/row_table/row_pos/window as
-        csrc/layer_ops.c's paged_attention_f32 (int64). seconds: a float64 [3] that gains TIMED_PARTS, or None."""
+        csrc/layer_ops.c's paged_attention_f32 (int64). seconds: a float64 [3] that gains TIMED_PARTS, or None.
+        out: a contiguous float32 [T, d] the new hidden is computed in (`hidden` itself: updated in place; else
+        hidden is copied there first), None: a new tensor. furthest: the largest position, where the caller knows
+        it (spares reading it from `positions`)."""
         d, layers, eps, heads, kv_heads, head_dim, inter = self.shape
         if hidden.dtype != torch.float32 or hidden.dim() != 2 or hidden.shape[1] != d:
             raise ValueError(f"FusedLayers.run: expected float32 hidden [T, {d}], got {hidden.dtype} "
@@ -118,14 +123,26 @@ class FusedLayers:
             raise ValueError(f"FusedLayers.run: expected contiguous K/V pools of {layers} layers")
         if seconds is not None and (seconds.dtype != torch.float64 or seconds.numel() != len(TIMED_PARTS)):
             raise ValueError(f"FusedLayers.run: seconds must be float64 [{len(TIMED_PARTS)}]")
-        x = hidden.clone(memory_format=torch.contiguous_format)  # [T, d], updated in place by the layers
-        cos, sin = self.rope.rows(positions)  # [T, D] each, the model's rope_cos_sin bits
+        x = self._work_rows(hidden, out)  # [T, d], updated in place by the layers
+        cos, sin = self.rope.rows(positions, furthest)  # [T, D] each, the model's rope_cos_sin bits
         self.lib.fused_layers_f32(x.data_ptr(), x.shape[0], d, layers, self.weights.data_ptr(), eps, heads, kv_heads,
                                   head_dim, inter, cos.data_ptr(), sin.data_ptr(), k_pool.data_ptr(),
                                   v_pool.data_ptr(), k_pool.stride(0), block_tokens, tables.data_ptr(),
                                   row_table.data_ptr(), row_pos.data_ptr(), window, head_dim ** -0.5,
                                   None if seconds is None else seconds.data_ptr(), torch.get_num_threads())
         return x
+
+    @staticmethod
+    def _work_rows(hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The tensor the layers update in place: `out` holding hidden's rows, or a copy of hidden."""
+        if out is None:
+            return hidden.clone(memory_format=torch.contiguous_format)
+        if out.dtype != torch.float32 or out.shape != hidden.shape or not out.is_contiguous():
+            raise ValueError(f"FusedLayers.run: out must be a contiguous float32 {list(hidden.shape)}, got "
+                             f"{out.dtype} {list(out.shape)}")
+        if out is not hidden:
+            out.copy_(hidden)
+        return out
 
 
 def fuse_layers(model: nn.Module) -> FusedLayers | None:

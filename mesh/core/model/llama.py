@@ -59,21 +59,23 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
 
 class RopeTable:
     """cos, sin [N, D] float32 for every position in [0, N), made by `rope_cos_sin` over them all and grown (at
-    least doubled) when a wave reaches past N: a wave's tables are then two row gathers instead of six small ops
+    least doubled) when a wave reaches past N: a wave's tables are then one row gather instead of six small ops
     (~0.09 ms of a decode step's Python after its 15 ms native call; bench/out/core_quota_s59.txt part 9), with the
     same bits: each element is the same float32 product and the same cos / sin whatever the tensor's shape."""
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
         self._inv_freq, self._max = inv_freq, max_positions
-        self._cos = self._sin = torch.empty(0, 2 * inv_freq.numel())  # [N, D]
+        self._table = torch.empty(2, 0, 2 * inv_freq.numel())  # [2, N, D]: cos, then sin
 
-    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D] float32 for int64 `positions` [T], each in [0, max_positions)."""
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self._cos.shape[0]:
-            n = min(max(need, 2 * self._cos.shape[0], 256), max(need, self._max))
-            self._cos, self._sin = rope_cos_sin(self._inv_freq, torch.arange(n), torch.float32)
-        return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
+    def rows(self, positions: torch.Tensor, furthest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] float32 (contiguous) for int64 `positions` [T], each in [0, max_positions); `furthest`:
+        their largest where the caller knows it (else read from them: one more op on every step)."""
+        need = (int(positions.max()) if furthest is None else furthest) + 1 if positions.numel() else 0
+        if need > self._table.shape[1]:
+            n = min(max(need, 2 * self._table.shape[1], 256), max(need, self._max))
+            self._table = torch.stack(rope_cos_sin(self._inv_freq, torch.arange(n), torch.float32))
+        both = self._table.index_select(1, positions)  # [2, T, D]
+        return both[0], both[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,9 +265,14 @@ class LlamaRange(nn.Module):
         """Holds the final norm and lm_head."""
         return self.end == self.cfg.num_hidden_layers
 
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token_ids [T] -> hidden [T, d]."""
-        return self.model.embed_tokens(token_ids)
+    def embed(self, token_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """token_ids [T] -> hidden [T, d] (written into `out` [T, d] where given)."""
+        table = self.model.embed_tokens
+        if type(table) is nn.Embedding and (out is None or out.dtype == table.weight.dtype):  # the rows, gathered
+            return table.weight.index_select(0, token_ids) if out is None else torch.index_select(
+                table.weight, 0, token_ids, out=out)
+        rows = table(token_ids)  # [T, d]
+        return rows if out is None else out.copy_(rows)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Run every held layer: hidden [T, d] at absolute positions [T] -> hidden [T, d] (pre-norm)."""
