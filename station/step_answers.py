@@ -72,8 +72,9 @@ def unpack_step_answer(body: bytes | bytearray, *, n_entries: int, vocab_size: i
         raise WireError(f"step answer: {len(body)} bytes, short of its {n_hops} reports and {n_ids} ids")
     hops = tuple(HopReport._make(HOP.unpack_from(body, HEAD.size + i * HOP.size)) for i in range(n_hops))
     ids = np.frombuffer(body, dtype=np.int32, count=n_ids, offset=at)
-    if n_ids and not (0 <= int(ids.min()) and int(ids.max()) < vocab_size):
-        bad = next(int(t) for t in ids if not 0 <= t < vocab_size)
+    listed = ids.tolist()  # one call, not two reductions: an answer holds a wave's few ids
+    if n_ids and not (0 <= min(listed) and max(listed) < vocab_size):
+        bad = next(t for t in listed if not 0 <= t < vocab_size)
         raise WireError(f"step answer: token id {bad} is outside the vocabulary [0, {vocab_size})")
     return StepAnswer(hops, ids, bytes(body[at + 4 * n_ids:]))
 
