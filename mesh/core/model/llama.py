@@ -269,8 +269,7 @@ class LlamaRange(nn.Module):
         """token_ids [T] -> hidden [T, d] (written into `out` [T, d] where given)."""
         table = self.model.embed_tokens
         if type(table) is nn.Embedding and (out is None or out.dtype == table.weight.dtype):  # the rows, gathered
-            return table.weight.index_select(0, token_ids) if out is None else torch.index_select(
-                table.weight, 0, token_ids, out=out)
+            return torch.index_select(table.weight, 0, token_ids, out=out)
         rows = table(token_ids)  # [T, d]
         return rows if out is None else out.copy_(rows)
 
