@@ -20,6 +20,7 @@ import torch
 from mesh.core.config import DTYPE_BYTES, ModelConfig, StationSpec
 from mesh.core.model.host_memory import populate_in_background, zero_pages
 from mesh.core.model.loader import TORCH_DTYPES
+from mesh.core.wave import WaveEntry
 
 DEFAULT_BLOCK_TOKENS = 16
 
@@ -155,6 +156,47 @@ class KVPool:
             if others:
                 return f"block {blocks[i]} (positions from {i * self.block_tokens}) is written but held by another sequence"
         return None
+
+    def check_wave(self, entries: tuple[WaveEntry, ...], max_positions: int) -> None:
+        """StepError unless each of a wave's entries continues its sequence where this pool's KV of it ends, with a
+        table it may write (check_table), below `max_positions` (the model's context), and no block one entry
+        writes is read by another."""
+        if not entries:
+            raise StepError("entries: a wave needs at least one entry")
+        seen = set()
+        for i, e in enumerate(entries):
+            if not isinstance(e, WaveEntry):
+                raise StepError(f"entries[{i}]: expected a WaveEntry, got {type(e).__name__}")
+            if e.seq_id in seen:
+                raise StepError(f"entries[{i}].seq_id: {e.seq_id} appears twice in one wave")
+            seen.add(e.seq_id)
+            held = self.length(e.seq_id)
+            if e.blocks:
+                why = self.check_table(e.seq_id, e.start_pos, e.end_pos, e.blocks)
+                if why is not None:
+                    raise StepError(f"entries[{i}].blocks: seq_id {e.seq_id}: {why}")
+            if held is None and e.start_pos != 0 and not e.blocks:
+                raise StepError(f"entries[{i}].seq_id: unknown seq_id {e.seq_id} (start_pos {e.start_pos} "
+                                "but this station holds no KV for it)")
+            if held is not None and e.start_pos != held:
+                how = "skips ahead" if e.start_pos > held else "goes backwards"
+                raise StepError(f"entries[{i}].start_pos: {e.start_pos} {how}; seq_id {e.seq_id} holds {held} positions")
+            if e.end_pos > max_positions:
+                raise StepError(f"entries[{i}]: position {e.end_pos} exceeds the model context ({max_positions})")
+        self._check_writes(entries)
+
+    def _check_writes(self, entries: tuple[WaveEntry, ...]) -> None:
+        """No block is written by one entry of the wave and held by another entry's table."""
+        bt, writer = self.block_tokens, {}
+        for e in entries:
+            for block in e.blocks[e.start_pos // bt:]:
+                writer[block] = e.seq_id
+        written = set(writer)  # one C-level intersection per entry, not a Python loop over every table
+        for i, e in enumerate(entries):
+            for block in written.intersection(e.blocks):
+                if writer[block] != e.seq_id:
+                    raise StepError(f"entries[{i}].blocks: block {block} is written by seq_id {writer[block]} "
+                                    f"in this wave and read by seq_id {e.seq_id}")
 
     def assign(self, seq_id: int, end: int, blocks: tuple[int, ...]) -> None:
         """Make `blocks` (checked by check_table) the table of `seq_id`, now holding [0, end)."""

@@ -50,8 +50,8 @@ def export_rows(station, entries: tuple[WaveEntry, ...], layer_start: int,
 def import_rows(station, entries: tuple[WaveEntry, ...], k: torch.Tensor, v: torch.Tensor) -> None:
     """Store K, V [station layers, T, KVH, D] (T: the entries' rows, in order) at the entries' positions; the
     entries are checked as a Forward's are. StepError when they or the tensors do not fit."""
-    station._check_entries(entries)
     kv, cfg = station.kv, station.config
+    kv.check_wave(entries, cfg.max_position_embeddings)
     want = (station.spec.end - station.spec.start, wave_rows(entries), cfg.num_key_value_heads, cfg.head_dim)
     for name, t in (("k", k), ("v", v)):
         if tuple(t.shape) != want or t.dtype != station.dtype:

@@ -216,7 +216,7 @@ class Station:
 
     def _validate(self, entries: tuple[WaveEntry, ...], token_ids: torch.Tensor | None,
                   hidden: torch.Tensor | None) -> torch.Tensor:
-        self._check_entries(entries)
+        self.kv.check_wave(entries, self.config.max_position_embeddings)
         rows = wave_rows(entries)
         if self.is_first:
             if token_ids is None or hidden is not None:
@@ -236,46 +236,6 @@ class Station:
             raise StepError(f"hidden: expected {self.spec.dtype} {list(want)}, got "
                             f"{str(hidden.dtype).removeprefix('torch.')} {list(hidden.shape)}")
         return hidden.to(self.device)
-
-    def _check_entries(self, entries: tuple[WaveEntry, ...]) -> None:
-        """Each entry continues its sequence where the station's KV ends, with a table it may write."""
-        if not entries:
-            raise StepError("entries: a wave needs at least one entry")
-        seen = set()
-        for i, e in enumerate(entries):
-            if not isinstance(e, WaveEntry):
-                raise StepError(f"entries[{i}]: expected a WaveEntry, got {type(e).__name__}")
-            if e.seq_id in seen:
-                raise StepError(f"entries[{i}].seq_id: {e.seq_id} appears twice in one wave")
-            seen.add(e.seq_id)
-            held = self.kv.length(e.seq_id)
-            if e.blocks:
-                why = self.kv.check_table(e.seq_id, e.start_pos, e.end_pos, e.blocks)
-                if why is not None:
-                    raise StepError(f"entries[{i}].blocks: seq_id {e.seq_id}: {why}")
-            if held is None and e.start_pos != 0 and not e.blocks:
-                raise StepError(f"entries[{i}].seq_id: unknown seq_id {e.seq_id} (start_pos {e.start_pos} "
-                                "but this station holds no KV for it)")
-            if held is not None and e.start_pos != held:
-                how = "skips ahead" if e.start_pos > held else "goes backwards"
-                raise StepError(f"entries[{i}].start_pos: {e.start_pos} {how}; seq_id {e.seq_id} holds {held} positions")
-            if e.end_pos > self.config.max_position_embeddings:
-                raise StepError(f"entries[{i}]: position {e.end_pos} exceeds the model context "
-                                f"({self.config.max_position_embeddings})")
-        self._check_writes(entries)
-
-    def _check_writes(self, entries: tuple[WaveEntry, ...]) -> None:
-        """No block is written by one entry of the wave and held by another entry's table."""
-        bt, writer = self.kv.block_tokens, {}
-        for e in entries:
-            for block in e.blocks[e.start_pos // bt:]:
-                writer[block] = e.seq_id
-        written = set(writer)  # one C-level intersection per entry, not a Python loop over every table
-        for i, e in enumerate(entries):
-            for block in written.intersection(e.blocks):
-                if writer[block] != e.seq_id:
-                    raise StepError(f"entries[{i}].blocks: block {block} is written by seq_id {writer[block]} "
-                                    f"in this wave and read by seq_id {e.seq_id}")
 
     @property
     def prefill_chunk_invariant(self) -> bool:
