@@ -1,4 +1,4 @@
-"""The attention context of a float32 CPU station on the native kernel (mesh/core/model/csrc/layer_ops.c).
+"""The attention context of a float32 CPU station on the native kernel (mesh/core/model/csrc/paged_attention.c).
 
 One call per layer stores the wave's new keys/values in the paged cache and attends every row, prompt chunk or
 decode token alike, to its own sequence's keys up to its position. Each (row, head) is one fixed-order

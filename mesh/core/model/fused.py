@@ -111,7 +111,7 @@ class FusedLayers:
         it is `out`).
 
         k_pool/v_pool [layers, blocks, KVH, BT, D]: the range's paged cache; tables/row_table/row_pos/window as
-        csrc/layer_ops.c's paged_attention_f32 (int64). seconds: a float64 [3] that gains TIMED_PARTS, or None.
+        csrc/paged_attention.c's paged_attention_f32 (int64). seconds: a float64 [3] that gains TIMED_PARTS, or None.
         out: a contiguous float32 [T, d] the new hidden is computed in (`hidden` itself: updated in place; else
         hidden is copied there first), None: a new tensor. furthest: the largest position, where the caller knows
         it (spares reading it from `positions`)."""

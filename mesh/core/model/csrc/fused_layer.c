@@ -3,8 +3,8 @@
  * Per layer: RMSNorm -> fused q/k/v linear -> RoPE -> KV write into the paged pool and paged attention -> o_proj
  * + residual -> RMSNorm -> fused gate/up linear -> SiLU(gate) * up -> down + residual, through the same kernels
  * the per-op path calls (packed_linear.c over float32, bfloat16 or float16 tiles, quant_linear.c over GGUF blocks,
- * layer_ops.c), on the same inputs in the same order: a row's bits are those of the per-op path, alone or in any
- * company, at any thread count. The scratch rows are allocated once per call and reused by every layer.
+ * layer_ops.c, paged_attention.c), on the same inputs in the same order: a row's bits are those of the per-op path,
+ * alone or in any company, at any thread count. The scratch rows are allocated once per call and reused by every layer.
  */
 #include <math.h>
 #include <omp.h>
