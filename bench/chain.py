@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 from call_shape import add_call_shape_args, min_tokens_problem, mixed_lengths  # bench/ is on sys.path
-from idle_parts import idle_parts
+from idle_parts import idle_parts, ring_handoffs
 from metered_link import MeteredLink
 
 from mesh.control.cli import resolve_model
@@ -240,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                     r = run_point(engine, links, jobs(k, args.prompt, cfg.vocab_size),
                                   lengths(k, args.tokens, args.min_tokens))
                     if up[name][3] is not None:  # a Ray mesh: where each station's idle went (bench/idle_parts.py)
-                        r["idle_parts"] = [idle_parts(s, *r["wall_window"]) for s in up[name][3].step_spans()]
+                        spans = up[name][3].step_spans()
+                        r["idle_parts"] = [idle_parts(s, *r["wall_window"]) for s in spans]
+                        r["ring"] = ring_handoffs(spans, *r["wall_window"])
                     runs[name][k].append(r)
                     log(f"[{rep + 1}/{args.repeats}] {name:>6} K={k:<3} {r['tok_s']:8.1f} tok/s "
                         f"({r['waves']} waves, {r['wall_ms_per_wave']:.1f} ms/wave, "

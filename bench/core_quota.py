@@ -14,8 +14,9 @@ and each station's busy fraction, with the ratio the pair would make at the same
 idle (ratio / that station's busy fraction: what the idle costs; the split's own ceiling, `mesh bench
 pipeline_ceiling`, measures the same from the other side), and where each station's idle went (before its first
 step, its longest gap, the other gaps, after its last step: bench/idle_parts.py, from the stations' step
-timelines), with the median of its decode steps, the lone station's too. Runs on this VM type spread +-7%, so a
-figure is a median of rounds, never one run.
+timelines), with the median of its decode steps, the lone station's too, and the ring's hand-offs (where a station
+waited for the other, how long after the other's step ended it began: the hop, the samples' way back). Runs on this
+VM type spread +-7%, so a figure is a median of rounds, never one run.
 --ceiling STEPS runs bench/pipeline_ceiling.py before the first round and after the last (STEPS interleaved rounds,
 the pair's split, --concurrency rows, the lone station's one thread, --contend): the split's ceiling that hour alone
 and with the two stages sharing the machine's memory, beside the ratios (on session 52's AMD Zen 3 VM two stages
@@ -35,7 +36,7 @@ import sys
 from pathlib import Path
 
 from call_shape import min_tokens_problem  # bench/ is on sys.path when a bench script runs
-from idle_parts import describe
+from idle_parts import describe, describe_ring
 
 CHAIN = Path(__file__).resolve().parent / "chain.py"
 CEILING = Path(__file__).resolve().parent / "pipeline_ceiling.py"
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                        "orchestrator_cpu_ms_per_wave": two["cpu_ms_per_wave"]["driver"],
                        "wall_ms_per_wave": two["wall_ms_per_wave"], "busy": two["station_busy_fraction"],
                        "first_station_idle": two["idle_parts"][0], "second_station_idle": two["idle_parts"][1],
-                       "lone_station_idle": lone, "pair_layers": two["layers"]})
+                       "lone_station_idle": lone, "pair_ring": two.get("ring"), "pair_layers": two["layers"]})
         print(f"round {r + 1}: one {one['tok_s']:.1f} tok/s, two {two['tok_s']:.1f} tok/s, {ratio:.3f}x, tokens "
               f"{one['outputs_sha256'][:12]} / {two['outputs_sha256'][:12]}, busy "
               f"{[round(b, 3) for b in two['station_busy_fraction']]} (never idle: {ratio / busiest:.3f}x)", flush=True)
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, parts in named:
             if parts is not None:
                 print(f"  {name}: {describe(parts)}", flush=True)
+        if two.get("ring") is not None:
+            print(f"  {describe_ring(two['ring'])}", flush=True)
     if args.ceiling:
         ceilings.append(run_ceiling(args, split))
         print(describe_ceiling("after the rounds", ceilings[1]), flush=True)

@@ -59,6 +59,9 @@ def test_core_quota_quick_runs(tiny_llama):
                    ) == pytest.approx(idle["window_ms"], abs=0.01)  # wall-clock floats: ~0.2 us apart
         assert 0 < idle["decode_steps"] <= idle["steps"] and 0 < idle["median_decode_step_ms"] < idle["busy_ms"]
         assert f"{printed} station: idle" in proc.stdout
+    ring = only["pair_ring"]  # where a station waited for the other, from the same timelines (bench/idle_parts.py)
+    assert len(ring["hop_ms"]) == len(ring["hops_waited"]) == 1 and "the ring's hand-offs" in proc.stdout
+    assert all(v is None or v >= 0 for v in (*ring["hop_ms"], ring["back_ms"]))
     assert figures["rounds_at_target"] == (figures["median_ratio"] >= figures["target"])
     assert figures["min_tokens"] == 3 and "no verdict (not the issue's workload)" in proc.stdout
     split = only["pair_layers"][1][0]  # where the pair's run split the model (chain.py's stations)

@@ -14,7 +14,7 @@ from station.step import Station
 from station.timeline import StepTimeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from idle_parts import describe, idle_parts  # noqa: E402
+from idle_parts import describe, describe_ring, idle_parts, ring_handoffs  # noqa: E402
 
 
 def test_idle_parts_splits_a_window_into_its_waits_and_gaps():
@@ -40,6 +40,32 @@ def test_idle_parts_splits_a_window_into_its_waits_and_gaps():
     prompt_only = idle_parts([(t + 0.5, 0.25, 16, 2)], t, t + 1.0)
     assert prompt_only["decode_steps"] == 0 and prompt_only["median_decode_step_ms"] is None
     assert "decode steps" not in describe(prompt_only)
+
+
+def test_ring_handoffs_time_the_waits_from_what_ended_before_them():
+    """A hand-built two-lane ring of two stations (times in ms): the second station waits for each of the first's
+    decode steps and starts 0.5 ms after it ends; the first waits 2 ms for one lane's samples once (started 0.4 ms
+    after the second's step ended) and otherwise goes on 0.1 ms after its own step. Steps that did not wait, prompt
+    steps and steps outside the window do not count; a lone station has no ring."""
+    ms = 1e-3
+    first = [(0.0, 10 * ms, 32, 2)]  # a prompt step: not a decode step (its rows are not one an entry)
+    second = []
+    t = 10.1 * ms
+    for k in range(4):
+        first.append((t, 10 * ms, 16, 16))
+        second.append((t + 10.5 * ms, 9 * ms, 16, 16))
+        t += 10.1 * ms
+    # the first station's next step waits for the second's last one (began 40.4 + 10.5 ms, ended 9 ms on) + 0.4 ms
+    first.append(((40.4 + 10.5 + 9 + 0.4) * ms, 10 * ms, 16, 16))
+    ring = ring_handoffs([first, second], -1.0, 1.0)
+    assert ring["hops_waited"] == [3] and ring["hop_ms"][0] == pytest.approx(0.5)  # the second's first: none before
+    assert ring["back_waited"] == 1 and ring["back_ms"] == pytest.approx(0.4)
+    assert "0.50 (3)" in describe_ring(ring) and "back to the first 0.40 (1)" in describe_ring(ring)
+    assert ring_handoffs([first], -1.0, 1.0) is None
+    none_waited = ring_handoffs([first[:-1], second], -1.0, 1.0)
+    assert none_waited["back_ms"] is None and none_waited["back_waited"] == 0 and "back to the first - (0)" in \
+        describe_ring(none_waited)
+    assert ring_handoffs([first, second], 5.0, 6.0)["hops_waited"] == [0]  # nothing in that window
 
 
 def test_a_station_records_each_step_on_the_wall_clock(tiny_llama):
